@@ -1,0 +1,16 @@
+"""Triton kernels of fused_zero: one fused optimizer update over a flat shard, and a gradient
+norm / non-finite reduction. They know nothing of torch.distributed; the orchestrator in
+``fused_zero`` decides what the shard is.
+
+Set ``TRITON_INTERPRET=1`` before importing to run them on CPU tensors through Triton's interpreter.
+"""
+
+from .adam import ADAM_COEFS, N_ADAM_COEFS, adam_coefficients, adam_step
+from .norm import grad_sumsq
+from .segments import BLOCK, COLUMNS, Segments
+from .sgd import N_SGD_COEFS, SGD_COEFS, sgd_coefficients, sgd_step
+
+__all__ = [
+    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "SGD_COEFS", "Segments",
+    "adam_coefficients", "adam_step", "grad_sumsq", "sgd_coefficients", "sgd_step",
+]

@@ -1,0 +1,200 @@
+r"""Fused Adam / AdamW over a flat shard, in one pass over memory.
+
+For every element of every row of a `Segments` table, with ``g`` the gradient as the optimizer sees
+it (divided by ``grad_div``, by the loss scale, times the clip coefficient, negated for maximize) and
+``p`` the fp32 master weight (or the parameter itself), in torch.optim's single-tensor order:
+
+    AdamW:  p  = p * (1 - lr * weight_decay)
+    Adam:   g  = g + weight_decay * p                       (coupled L2, only if weight_decay != 0)
+            m  = lerp(m, g, 1 - beta1)                       (torch's two-branch lerp)
+            v  = v * beta2 + (1 - beta2) * g * g
+            v̂  = max(v̂, v)                                   (amsgrad)
+            d  = sqrt(v or v̂) / sqrt(1 - beta2^t) + eps
+            p  = p + (-lr / (1 - beta1^t)) * m / d
+            param = round_to_param_dtype(p)                  (when p is a master copy)
+
+Every scalar above is computed on the host in float64 and rounded to float32, exactly as torch
+rounds Python scalars when it calls its elementwise kernels; `adam_coefficients` builds them, one row
+per parameter, so parameters with different step counts (skipped while unused) or param groups share
+one launch, and a learning rate that changes every step is just new table contents: no recompilation,
+no host sync.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    BLOCK, NUM_WARPS, check_coefs, check_flat, check_scalar, grid, load_grad, load_row, store_param,
+)
+from .segments import Segments
+
+ADAM_COEFS = ("active", "grad_div", "decay_mul", "l2", "lerp_w", "beta2", "one_minus_beta2",
+              "bc2_sqrt", "eps", "neg_step_size")
+N_ADAM_COEFS = len(ADAM_COEFS)
+
+
+@triton.jit
+def _adam_kernel(
+    rows_ptr,            # int64 [n_rows, 5] Segments table
+    coef_ptr,            # fp32 [n_params, N_COEF] per-parameter scalars (ADAM_COEFS)
+    grad_ptr,            # gradient buffer (fp32/bf16/fp16), indexed by grad_off
+    master_ptr,          # fp32 master shard, indexed by shard_off (unused without HAS_MASTER)
+    param_ptr,           # parameter buffer (fp32/bf16/fp16), indexed by param_off
+    exp_avg_ptr,         # fp32 shard
+    exp_avg_sq_ptr,      # fp32 shard
+    max_exp_avg_sq_ptr,  # fp32 shard (unused without AMSGRAD)
+    grad_scale_ptr,      # one-element loss scale the gradient is divided by (HAS_GRAD_SCALE)
+    found_inf_ptr,       # one-element flag; non-zero means write nothing (HAS_FOUND_INF)
+    clip_coef_ptr,       # one-element factor the gradient is multiplied by (HAS_CLIP)
+    N_COEF: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
+    c = coef_ptr + pid * N_COEF
+    active = tl.load(c + 0)
+    grad_div = tl.load(c + 1)
+    decay_mul = tl.load(c + 2)
+    l2 = tl.load(c + 3)
+    lerp_w = tl.load(c + 4)
+    beta2 = tl.load(c + 5)
+    one_minus_beta2 = tl.load(c + 6)
+    bc2_sqrt = tl.load(c + 7)
+    eps = tl.load(c + 8)
+    neg_step_size = tl.load(c + 9)
+
+    # an inactive parameter, or a found inf, shrinks the row to nothing: no element is read or written
+    n = tl.where(active != 0, n, 0)
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    idx = tl.arange(0, BLOCK)
+    mask = idx < n
+    s_offs = shard_off + idx
+    p_offs = param_off + idx
+
+    g = load_grad(grad_ptr, grad_off + idx, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
+                  HAS_GRAD_SCALE, HAS_CLIP, MAXIMIZE)
+    if HAS_MASTER:
+        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + p_offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(exp_avg_ptr + s_offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + s_offs, mask=mask, other=0.0)
+
+    p = p * decay_mul
+    g = tl.where(l2 != 0.0, g + l2 * p, g)
+    # torch's lerp: start + w * (end - start) for |w| < 0.5, else end - (end - start) * (1 - w)
+    diff = g - m
+    m = tl.where(tl.abs(lerp_w) < 0.5, m + lerp_w * diff, g - diff * (1.0 - lerp_w))
+    v = v * beta2 + one_minus_beta2 * g * g
+    if AMSGRAD:
+        vmax = tl.maximum(tl.load(max_exp_avg_sq_ptr + s_offs, mask=mask, other=0.0), v)
+        tl.store(max_exp_avg_sq_ptr + s_offs, vmax, mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)
+
+    tl.store(exp_avg_ptr + s_offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + s_offs, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(master_ptr + s_offs, p, mask=mask)
+    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+
+
+def adam_coefficients(*, lr, beta1, beta2, eps, weight_decay, step, decoupled: bool,
+                      grad_div=1.0, active=True) -> torch.Tensor:
+    """Per-parameter scalars for `adam_step`, as a float32 ``[n_params, N_ADAM_COEFS]`` CPU tensor.
+
+    Every argument is a scalar or a sequence with one entry per parameter. ``step`` is the step count
+    *after* this update (1 on the first step), as torch.optim's ``state["step"]`` reads once
+    incremented. ``active=False`` rows are skipped entirely (a parameter with no gradient).
+    """
+    lr, beta1, beta2, eps, wd, step, grad_div, active = np.broadcast_arrays(
+        *(np.asarray(x, dtype=np.float64) for x in
+          (lr, beta1, beta2, eps, weight_decay, step, grad_div, active)))
+    if np.any((active != 0) & (step < 1)):
+        raise ValueError("step must be >= 1 for active parameters (it counts this update)")
+    bias_correction1 = 1 - np.power(beta1, step)
+    bias_correction2 = 1 - np.power(beta2, step)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        step_size = np.where(active != 0, lr / bias_correction1, 0.0)
+    cols = np.stack([
+        (active != 0).astype(np.float64),
+        grad_div,
+        np.where(decoupled, 1 - lr * wd, 1.0),
+        np.where(decoupled, 0.0, wd),
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        np.power(np.where(active != 0, bias_correction2, 1.0), 0.5),
+        eps,
+        -step_size,
+    ], axis=-1).reshape(-1, N_ADAM_COEFS)
+    return torch.from_numpy(cols.astype(np.float32))
+
+
+def adam_step(
+    segments: Segments,
+    coefs: torch.Tensor,
+    *,
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    master: torch.Tensor | None = None,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    clip_coef: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW update of every row of ``segments``, in place, in one launch.
+
+    ``master`` (fp32, shard-indexed) is read and written when given, and the parameter is written
+    from it; without it the parameter itself is read and written. ``max_exp_avg_sq`` turns on
+    amsgrad. Coupled vs decoupled weight decay is in ``coefs`` (see `adam_coefficients`).
+    """
+    device = exp_avg.device
+    check_flat("grad", grad, device)
+    check_flat("param", param, device)
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master),
+                    ("max_exp_avg_sq", max_exp_avg_sq)):
+        check_flat(name, t, device, dtypes=(torch.float32,))
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
+        check_scalar(name, t, device)
+    check_coefs(coefs, N_ADAM_COEFS, segments, device)
+    shard = min(t.numel() for t in (exp_avg, exp_avg_sq, master, max_exp_avg_sq) if t is not None)
+    segments.check(shard=shard, param=param.numel(), grad=grad.numel(), coefs=coefs.shape[0])
+    if segments.n_rows == 0:
+        return
+    _adam_kernel[grid(segments)](
+        segments.rows, coefs, grad,
+        master if master is not None else exp_avg,
+        param, exp_avg, exp_avg_sq,
+        max_exp_avg_sq if max_exp_avg_sq is not None else exp_avg,
+        grad_scale if grad_scale is not None else exp_avg,
+        found_inf if found_inf is not None else exp_avg,
+        clip_coef if clip_coef is not None else exp_avg,
+        N_COEF=N_ADAM_COEFS,
+        HAS_MASTER=master is not None,
+        AMSGRAD=max_exp_avg_sq is not None,
+        MAXIMIZE=maximize,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        HAS_CLIP=clip_coef is not None,
+        PARAM_BF16=param.dtype == torch.bfloat16,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,78 @@
+"""Sum of squares and non-finite count of a shard's gradients, for global-norm clipping and overflow
+detection.
+
+Each program writes its own partial (no atomics), and the partials are summed by torch: the result
+is deterministic, so every rank that all-reduces it sees the same clip coefficient. Non-finite values
+are counted separately because finite gradients above ~1.8e19 overflow the fp32 sum of squares
+without being an overflow of the loss scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import BLOCK, NUM_WARPS, check_flat, check_scalar, grid, load_row
+from .segments import Segments
+
+
+@triton.jit
+def _grad_sumsq_kernel(
+    rows_ptr,            # int64 [n_rows, 5] Segments table
+    coef_ptr,            # fp32 [n_params, N_COEF]; column 0 active, column 1 grad_div
+    grad_ptr,            # gradient buffer, indexed by grad_off
+    grad_scale_ptr,      # one-element loss scale (HAS_GRAD_SCALE)
+    out_ptr,             # fp32 [n_rows, 2]: sum of squares, non-finite count
+    N_COEF: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    _, n, _, grad_off, pid = load_row(rows_ptr, row)
+    active = tl.load(coef_ptr + pid * N_COEF)
+    grad_div = tl.load(coef_ptr + pid * N_COEF + 1)
+    idx = tl.arange(0, BLOCK)
+    mask = idx < tl.where(active != 0, n, 0)
+    g = tl.load(grad_ptr + grad_off + idx, mask=mask, other=0.0).to(tl.float32)
+    g = tl.div_rn(g, grad_div)
+    if HAS_GRAD_SCALE:
+        g = tl.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
+    finite = (g == g) & (tl.abs(g) != float("inf"))
+    tl.store(out_ptr + row * 2, tl.sum(tl.where(finite, g * g, 0.0), axis=0))
+    tl.store(out_ptr + row * 2 + 1, tl.sum(tl.where(mask & ~finite, 1.0, 0.0), axis=0))
+
+
+def grad_sumsq(
+    segments: Segments,
+    coefs: torch.Tensor,
+    *,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(sum of squares of the finite gradients, number of non-finite ones)``.
+
+    Both are fp32 0-dim tensors on the gradient's device; nothing is copied to the host. ``coefs``
+    is the same per-parameter table the update uses (only its ``active`` and ``grad_div`` columns are
+    read), so the norm is that of the gradient the update will see.
+    """
+    device = grad.device
+    check_flat("grad", grad, device)
+    check_scalar("grad_scale", grad_scale, device)
+    if coefs.dtype != torch.float32 or coefs.dim() != 2 or coefs.shape[1] < 2 or coefs.device != device:
+        raise ValueError("coefs must be a float32 [n_params, n_coef] table on the gradient's device")
+    segments.check(shard=segments.shard_extent, param=segments.param_extent, grad=grad.numel(),
+                   coefs=coefs.shape[0])
+    out = torch.zeros(max(segments.n_rows, 1), 2, dtype=torch.float32, device=device)
+    if segments.n_rows:
+        _grad_sumsq_kernel[grid(segments)](
+            segments.rows, coefs, grad,
+            grad_scale if grad_scale is not None else coefs,
+            out,
+            N_COEF=coefs.shape[1],
+            HAS_GRAD_SCALE=grad_scale is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
+    total = out.sum(dim=0)
+    return total[0], total[1]

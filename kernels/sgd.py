@@ -1,0 +1,166 @@
+r"""Fused SGD (momentum, dampening, nesterov, weight decay, maximize) over a flat shard.
+
+In torch.optim's single-tensor order, with ``g`` the gradient as the optimizer sees it:
+
+    g   = g + weight_decay * p                  (only if weight_decay != 0)
+    buf = g                                      (first step of this parameter)
+    buf = buf * momentum + (1 - dampening) * g   (later steps)
+    g   = g + momentum * buf  if nesterov  else  buf
+    p   = p + (-lr) * g
+
+The per-parameter scalars come from `sgd_coefficients`; ``first`` marks parameters whose momentum
+buffer does not exist yet (torch creates it from the gradient on their first step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    BLOCK, NUM_WARPS, check_coefs, check_flat, check_scalar, grid, load_grad, load_row, store_param,
+)
+from .segments import Segments
+
+SGD_COEFS = ("active", "grad_div", "weight_decay", "momentum", "one_minus_dampening", "neg_lr", "first")
+N_SGD_COEFS = len(SGD_COEFS)
+
+
+@triton.jit
+def _sgd_kernel(
+    rows_ptr,            # int64 [n_rows, 5] Segments table
+    coef_ptr,            # fp32 [n_params, N_COEF] per-parameter scalars (SGD_COEFS)
+    grad_ptr,            # gradient buffer, indexed by grad_off
+    master_ptr,          # fp32 master shard, indexed by shard_off (unused without HAS_MASTER)
+    param_ptr,           # parameter buffer, indexed by param_off
+    momentum_buf_ptr,    # fp32 shard (unused without HAS_MOMENTUM)
+    grad_scale_ptr,      # one-element loss scale (HAS_GRAD_SCALE)
+    found_inf_ptr,       # one-element flag; non-zero means write nothing (HAS_FOUND_INF)
+    clip_coef_ptr,       # one-element clip factor (HAS_CLIP)
+    N_COEF: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
+    c = coef_ptr + pid * N_COEF
+    active = tl.load(c + 0)
+    grad_div = tl.load(c + 1)
+    weight_decay = tl.load(c + 2)
+    momentum = tl.load(c + 3)
+    one_minus_dampening = tl.load(c + 4)
+    neg_lr = tl.load(c + 5)
+    first = tl.load(c + 6)
+
+    # an inactive parameter, or a found inf, shrinks the row to nothing: no element is read or written
+    n = tl.where(active != 0, n, 0)
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    idx = tl.arange(0, BLOCK)
+    mask = idx < n
+    s_offs = shard_off + idx
+    p_offs = param_off + idx
+
+    g = load_grad(grad_ptr, grad_off + idx, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
+                  HAS_GRAD_SCALE, HAS_CLIP, MAXIMIZE)
+    if HAS_MASTER:
+        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + p_offs, mask=mask, other=0.0).to(tl.float32)
+
+    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
+    if HAS_MOMENTUM:
+        buf = tl.load(momentum_buf_ptr + s_offs, mask=mask, other=0.0)
+        buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)
+        tl.store(momentum_buf_ptr + s_offs, buf, mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    p = p + neg_lr * g
+
+    if HAS_MASTER:
+        tl.store(master_ptr + s_offs, p, mask=mask)
+    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+
+
+def sgd_coefficients(*, lr, momentum, dampening, weight_decay, first,
+                     grad_div=1.0, active=True) -> torch.Tensor:
+    """Per-parameter scalars for `sgd_step`, as a float32 ``[n_params, N_SGD_COEFS]`` CPU tensor.
+
+    Every argument is a scalar or a sequence with one entry per parameter; ``first`` is true where the
+    momentum buffer is created by this step.
+    """
+    lr, momentum, dampening, wd, first, grad_div, active = np.broadcast_arrays(
+        *(np.asarray(x, dtype=np.float64) for x in
+          (lr, momentum, dampening, weight_decay, first, grad_div, active)))
+    cols = np.stack([
+        (active != 0).astype(np.float64), grad_div, wd, momentum, 1 - dampening, -lr,
+        (first != 0).astype(np.float64),
+    ], axis=-1).reshape(-1, N_SGD_COEFS)
+    return torch.from_numpy(cols.astype(np.float32))
+
+
+def sgd_step(
+    segments: Segments,
+    coefs: torch.Tensor,
+    *,
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    momentum_buffer: torch.Tensor | None = None,
+    master: torch.Tensor | None = None,
+    nesterov: bool = False,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    clip_coef: torch.Tensor | None = None,
+) -> None:
+    """One SGD update of every row of ``segments``, in place, in one launch.
+
+    Without ``momentum_buffer`` the update is plain SGD (torch's ``momentum=0``); ``nesterov`` needs it.
+    """
+    device = param.device
+    check_flat("grad", grad, device)
+    check_flat("param", param, device)
+    for name, t in (("momentum_buffer", momentum_buffer), ("master", master)):
+        check_flat(name, t, device, dtypes=(torch.float32,))
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
+        check_scalar(name, t, device)
+    if nesterov and momentum_buffer is None:
+        raise ValueError("nesterov needs a momentum_buffer (torch: momentum > 0)")
+    check_coefs(coefs, N_SGD_COEFS, segments, device)
+    # Plain SGD without master weights reads no shard at all.
+    shards = [t.numel() for t in (momentum_buffer, master) if t is not None]
+    segments.check(shard=min(shards) if shards else segments.shard_extent, param=param.numel(),
+                   grad=grad.numel(), coefs=coefs.shape[0])
+    if segments.n_rows == 0:
+        return
+    _sgd_kernel[grid(segments)](
+        segments.rows, coefs, grad,
+        master if master is not None else param,
+        param,
+        momentum_buffer if momentum_buffer is not None else param,
+        grad_scale if grad_scale is not None else coefs,
+        found_inf if found_inf is not None else coefs,
+        clip_coef if clip_coef is not None else coefs,
+        N_COEF=N_SGD_COEFS,
+        HAS_MASTER=master is not None,
+        HAS_MOMENTUM=momentum_buffer is not None,
+        NESTEROV=nesterov,
+        MAXIMIZE=maximize,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        HAS_CLIP=clip_coef is not None,
+        PARAM_BF16=param.dtype == torch.bfloat16,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
