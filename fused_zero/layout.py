@@ -1,0 +1,186 @@
+"""Where every element of a DDP bucket lives: one source of truth for offsets, slices and rows.
+
+DDP packs a bucket's gradients back to back in one buffer of ``numel`` elements, with no padding.
+fused_zero cuts it without padding too:
+
+    [ rank 0 | rank 1 | ... | rank W-1 | tail ]
+      shard     shard          shard      numel - W * shard elements (< W * ALIGN)
+
+``shard`` is the largest multiple of ``ALIGN`` with ``W * shard <= numel``, so every rank's slice
+starts ``ALIGN``-aligned, the head reduces with one ``reduce_scatter`` straight out of DDP's buffer
+(no padded staging copy) and the updated head comes back with one in-place ``all_gather``. The few
+tail elements are all-reduced and updated redundantly by every rank, which keeps their optimizer
+state replicated; that costs less than a padded copy of the whole bucket, and the state a rank holds
+for a bucket is ``shard + tail`` elements: exactly 1/W of the bucket plus under ``W * ALIGN``.
+
+A rank's *region* (its optimizer state for one bucket) is its slice followed by the tail:
+``region[j]`` is bucket element ``rank * shard + j`` for ``j < shard`` and ``W * shard + j - shard``
+after it. This module is pure: no process group, no device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 32
+"""Slice starts are multiples of 32 elements: 64 bytes of bf16, 128 bytes of fp32."""
+
+REPLICATED = -1
+"""Owner of tail elements: every rank holds and updates them."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one parameter's elements inside one rank's region.
+
+    Attributes:
+        local: index of the parameter within the bucket.
+        elem: first element of the parameter (flattened) in the run.
+        length: number of elements.
+        region_off: where the run starts in the owner's region.
+        bucket_off: where the run starts in the bucket buffer.
+    """
+
+    local: int
+    elem: int
+    length: int
+    region_off: int
+    bucket_off: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The layout of one DDP bucket as seen by ``rank`` of ``world_size``.
+
+    Attributes:
+        pids: the optimizer's index of each parameter, in bucket order.
+        numels: elements of each parameter.
+        offsets: element offset of each parameter in the bucket buffer.
+        numel: elements in the bucket buffer.
+        world_size, rank: the process group's.
+        shard: elements of each rank's slice (multiple of ALIGN, maybe 0).
+    """
+
+    pids: tuple[int, ...]
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    world_size: int
+    rank: int
+    shard: int
+
+    @staticmethod
+    def build(pids, numels, offsets, world_size: int, rank: int) -> BucketLayout:
+        pids, numels, offsets = tuple(pids), tuple(numels), tuple(offsets)
+        if not (len(pids) == len(numels) == len(offsets)) or not pids:
+            raise ValueError("a bucket needs one offset and one size per parameter, and a parameter")
+        order = sorted(range(len(pids)), key=offsets.__getitem__)
+        end = 0
+        for i in order:
+            if offsets[i] < end:
+                raise ValueError(f"parameter {pids[i]} overlaps another in the bucket buffer")
+            end = offsets[i] + numels[i]
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        numel = end
+        shard = numel // (world_size * ALIGN) * ALIGN
+        return BucketLayout(pids, numels, offsets, numel, world_size, rank, shard)
+
+    @property
+    def head(self) -> int:
+        """Elements reduce-scattered and all-gathered: ``world_size * shard``."""
+        return self.world_size * self.shard
+
+    @property
+    def tail(self) -> int:
+        return self.numel - self.head
+
+    @property
+    def region_size(self) -> int:
+        """Elements of optimizer state each rank holds for this bucket."""
+        return self.shard + self.tail
+
+    def same_bucket(self, pids, offsets) -> bool:
+        return self.pids == tuple(pids) and self.offsets == tuple(offsets)
+
+    def slice_of(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The runs of parameters in ``rank``'s region, in region order (slice first, then tail)."""
+        lo, hi = self.slice_of(rank)
+        out = self._cut(lo, hi, region_base=0)
+        out += self._cut(self.head, self.numel, region_base=self.shard)
+        return out
+
+    def owners(self, local: int) -> list[tuple[int, int, int, int]]:
+        """``(elem_lo, elem_hi, owner, region_off)`` runs covering parameter ``local``.
+
+        ``owner`` is a rank, or REPLICATED for tail elements (every rank's region holds them).
+        """
+        start, n = self.offsets[local], self.numels[local]
+        runs = []
+        pos = start
+        while pos < start + n:
+            if pos < self.head:
+                owner = pos // self.shard
+                end = min(start + n, (owner + 1) * self.shard)
+                runs.append((pos - start, end - start, owner, pos - owner * self.shard))
+            else:
+                owner, end = REPLICATED, start + n
+                runs.append((pos - start, end - start, owner, self.shard + pos - self.head))
+            pos = end
+        return runs
+
+    def rows(self, *, grad_in_region: bool) -> list[tuple[int, int, int, int, int]]:
+        """Kernel rows (shard_off, length, param_off, grad_off, pid) for this rank's region.
+
+        The parameter buffer is indexed like the bucket buffer; the gradient is read either from the
+        region-shaped reduced shard (``grad_in_region``) or from the whole reduced bucket buffer.
+        ``pid`` is the parameter's index within the bucket (the coefficient table's row).
+        """
+        return [(p.region_off, p.length, p.bucket_off, p.region_off if grad_in_region else p.bucket_off,
+                 p.local) for p in self.pieces(self.rank)]
+
+    def _cut(self, lo: int, hi: int, region_base: int) -> list[Piece]:
+        out = []
+        for local in sorted(range(len(self.pids)), key=self.offsets.__getitem__):
+            start, n = self.offsets[local], self.numels[local]
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                out.append(Piece(local, a - start, b - a, region_base + a - lo, a))
+        return out
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Elements of one parameter that move from ``src``'s old region to ``dst``'s new one."""
+
+    src: int
+    dst: int
+    pid: int
+    length: int
+    src_off: int  # in the source rank's old region of the parameter's old bucket
+    dst_off: int  # in the destination rank's new region
+
+
+def reshard_plan(new: BucketLayout, old_of: dict[int, tuple[BucketLayout, int]]) -> list[Transfer]:
+    """Every transfer that fills every rank's region of ``new`` from the layouts its parameters had.
+
+    ``old_of[pid]`` is ``(old layout, local index there)``. Replicated (tail) elements are taken from
+    the destination rank itself. Every rank computes the same list, in the same order, with no
+    messages: all ranks see the same buckets.
+    """
+    plan = []
+    for dst in range(new.world_size):
+        for piece in new.pieces(dst):
+            pid = new.pids[piece.local]
+            old, old_local = old_of[pid]
+            lo, hi = piece.elem, piece.elem + piece.length
+            for a, b, owner, region_off in old.owners(old_local):
+                s, e = max(a, lo), min(b, hi)
+                if s < e:
+                    plan.append(Transfer(
+                        src=dst if owner == REPLICATED else owner, dst=dst, pid=pid, length=e - s,
+                        src_off=region_off + (s - a), dst_off=piece.region_off + (s - lo)))
+    return plan

@@ -1,0 +1,132 @@
+"""The classes users import: drop-in torch.optim optimizers whose step runs inside DDP's backward.
+
+Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus keyword-only
+options shared by all:
+
+    ddp             the DistributedDataParallel module whose buckets are sharded (required)
+    grad_reduce     "reduce_scatter" (default; each rank receives only its slice, ZeRO-2 traffic)
+                    or "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient)
+    overlap         "bucket" (default; update each bucket as its reduction completes),
+                    "backward" (update every bucket when the last reduction completes) or
+                    "step" (reductions overlap the backward, updates run in ``step()``)
+    master_weights  keep fp32 master weights for bf16/fp16 parameters (default: on for them)
+    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" only)
+    backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .algorithms import AdamFamily, SGDAlgorithm
+from .engine import Engine
+
+
+class _ShardedOptimizer(torch.optim.Optimizer):
+    """Shared plumbing: validates torch-only flags, builds the Engine, forwards step()."""
+
+    def _start(self, ddp, algorithm, *, grad_reduce, overlap, master_weights, max_grad_norm, backend,
+               foreach, fused, capturable, differentiable):
+        if ddp is None:
+            raise TypeError(f"{type(self).__name__} needs ddp=<the DistributedDataParallel module>")
+        if capturable or differentiable:
+            raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
+        del foreach, fused  # accepted for drop-in compatibility: the update is always one fused kernel
+        self._engine = Engine(self, ddp, algorithm, grad_reduce=grad_reduce, overlap=overlap,
+                              master_weights=master_weights, backend=backend, max_grad_norm=max_grad_norm)
+        self._started = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_started", False):
+            raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces at construction; "
+                               "add_param_group afterwards is not supported")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """End the iteration: with overlap="step" run every bucket's update; otherwise the updates
+        already ran during backward. Does not wait for the all-gathers (see ``synchronize``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.step()
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait until every parameter holds its updated value (forward passes wait by themselves;
+        call this before reading parameters elsewhere, e.g. to evaluate or save the model)."""
+        self._engine.synchronize()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
+
+        ``state``: master weights, moments and the reduced-gradient region (1/W of the model plus
+        under W*32 tail elements per bucket); ``reference_state``: torch.optim's fp32 state for the
+        same parameters (plus an fp32 master copy when this optimizer keeps master weights).
+        """
+        shards = self._engine.shards()
+        numel = sum(s.layout.numel for s in shards)
+        per_elem = 4 * (len(self._engine.algo.state_names()))
+        masters = sum(s.layout.numel * 4 for s in shards if "master" in s.state)
+        return {
+            "state": sum(s.state_bytes() for s in shards),
+            "reference_state": numel * per_elem + masters,
+            "param_buffers": sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in shards),
+            "elements": numel,
+            "region_elements": sum(s.layout.region_size for s in shards),
+        }
+
+    def state_dict(self):
+        raise NotImplementedError("fused_zero optimizers do not save state yet: the state is sharded "
+                                  "across ranks; checkpointing is planned")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("fused_zero optimizers do not load state yet")
+
+
+class AdamW(_ShardedOptimizer):
+    """torch.optim.AdamW, sharded across DDP ranks and run inside the backward."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 ddp=None, grad_reduce="reduce_scatter", overlap="bucket", master_weights=None,
+                 max_grad_norm=None, backend="auto"):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=True)
+        super().__init__(params, defaults)
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), grad_reduce=grad_reduce,
+                    overlap=overlap, master_weights=master_weights, max_grad_norm=max_grad_norm,
+                    backend=backend, foreach=foreach, fused=fused, capturable=capturable,
+                    differentiable=differentiable)
+
+
+class Adam(_ShardedOptimizer):
+    """torch.optim.Adam (L2 weight decay, or decoupled with ``decoupled_weight_decay=True``)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, ddp=None, grad_reduce="reduce_scatter", overlap="bucket",
+                 master_weights=None, max_grad_norm=None, backend="auto"):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay),
+                    grad_reduce=grad_reduce, overlap=overlap, master_weights=master_weights,
+                    max_grad_norm=max_grad_norm, backend=backend, foreach=foreach, fused=fused,
+                    capturable=capturable, differentiable=differentiable)
+
+
+class SGD(_ShardedOptimizer):
+    """torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize)."""
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None, ddp=None,
+                 grad_reduce="reduce_scatter", overlap="bucket", master_weights=None, max_grad_norm=None,
+                 backend="auto"):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults)
+        self._start(ddp, SGDAlgorithm(self.param_groups), grad_reduce=grad_reduce, overlap=overlap,
+                    master_weights=master_weights, max_grad_norm=max_grad_norm, backend=backend,
+                    foreach=foreach, fused=fused, capturable=False, differentiable=differentiable)

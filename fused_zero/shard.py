@@ -1,0 +1,73 @@
+"""One DDP bucket as this rank holds it: the flat parameter buffer the bucket's parameters are views
+of, this rank's region of optimizer state, the reduced-gradient region, the kernel rows, and the
+handle of the all-gather that brings the updated parameters back."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layout import BucketLayout
+from .kernels import Segments
+
+
+class BucketShard:
+    """Attributes:
+        layout: the bucket's BucketLayout (offsets, slices, rows).
+        params: the bucket's parameters, in bucket order.
+        param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
+            ``.data`` is a view of it, so the all-gather writes parameters in place.
+        state: region-shaped fp32 tensors, one per state name (and ``"master"`` with master weights).
+        grad_region: region-shaped reduced gradient (reduce-scatter mode with more than one rank),
+            else None and the kernel reads the reduced bucket buffer.
+        rows: host kernel rows; ``segments`` the same on the device (Triton backend only).
+        norm_rows / norm_segments: the rows whose gradients count towards the global norm: the
+            replicated tail is counted on rank 0 only.
+        gather: the pending all-gather's Work, or None.
+        reduced_buffer, grad_div: this iteration's reduced DDP buffer and the divisor that turns
+            its sum into DDP's average, from the reduction to the update.
+    """
+
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
+                 master: bool, grad_in_region: bool, device: torch.device, dtype: torch.dtype,
+                 build_segments: bool):
+        self.layout = layout
+        self.params = params
+        self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+        names = list(state_names) + (["master"] if master else [])
+        self.state = {name: torch.zeros(layout.region_size, dtype=torch.float32, device=device)
+                      for name in names}
+        self.grad_region = (torch.zeros(layout.region_size, dtype=dtype, device=device)
+                            if grad_in_region else None)
+        self.rows = layout.rows(grad_in_region=grad_in_region)
+        self.norm_rows = [r for r in self.rows if r[0] < layout.shard or layout.rank == 0]
+        self.segments = Segments.build(self.rows, device) if build_segments else None
+        self.norm_segments = Segments.build(self.norm_rows, device) if build_segments else None
+        self.gather: dist.Work | None = None
+        self.reduced_buffer: torch.Tensor | None = None  # DDP's buffer, kept until the step has run
+        self.grad_div = 1.0  # what the kernel divides the reduced gradient by (sum -> average)
+
+    def bind_params(self) -> None:
+        """Copy the parameters' current values into the flat buffer and make them views of it."""
+        for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
+            view = self.param_buffer[off:off + n]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view_as(p)
+
+    def init_master_from_params(self) -> None:
+        master = self.state.get("master")
+        if master is None:
+            return
+        rows = self.layout.rows(grad_in_region=True)
+        for so, n, po, _, _ in rows:
+            master[so:so + n].copy_(self.param_buffer[po:po + n])
+
+    def wait_gather(self) -> None:
+        """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""
+        work, self.gather = self.gather, None
+        if work is not None:
+            work.wait()
+
+    def state_bytes(self) -> int:
+        tensors = list(self.state.values()) + ([self.grad_region] if self.grad_region is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
