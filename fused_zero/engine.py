@@ -23,6 +23,10 @@ from .layout import BucketLayout, reshard_plan
 from .profiling import range_push
 from .shard import BucketShard
 
+# torch 2.13 renamed the flat-tensor collectives; older releases (2.4-2.12) have only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
@@ -267,8 +271,12 @@ class Engine:
         if self.world == 1:
             return [], 1.0
         layout, g = shard.layout, self.group
-        pre_divide = self.grad_reduce == "all_reduce" or buffer.dtype == torch.float16
-        if pre_divide:  # as DDP does: the average without overflowing fp16 sums
+        # Divide before summing, as DDP does, wherever rounding or range make it matter: for
+        # all-reduce (so param.grad is DDP's average) and for low-precision gradients (DDP's rounding,
+        # and no fp16 overflow). fp32 reduce-scatter sums leave the division to the kernel: one pass
+        # over the bucket saved.
+        pre_divide = self.grad_reduce == "all_reduce" or buffer.dtype != torch.float32
+        if pre_divide:
             buffer.div_(self.world)
         works = []
         if self.grad_reduce == "all_reduce":
@@ -279,7 +287,7 @@ class Engine:
                 region[layout.shard:].copy_(buffer[layout.head:])
                 works.append(dist.all_reduce(region[layout.shard:], group=g, async_op=True))
             if layout.shard:
-                works.append(dist.reduce_scatter_tensor(region[:layout.shard], buffer[:layout.head],
+                works.append(_reduce_scatter(region[:layout.shard], buffer[:layout.head],
                                                         group=g, async_op=True))
         return works, 1.0 if pre_divide else float(self.world)
 
@@ -331,7 +339,7 @@ class Engine:
             return
         lo, hi = layout.slice_of(self.rank)
         with range_push("fused_zero.all_gather"):
-            shard.gather = dist.all_gather_into_tensor(
+            shard.gather = _all_gather(
                 shard.param_buffer[:layout.head], shard.param_buffer[lo:hi], group=self.group,
                 async_op=True)
 

@@ -200,8 +200,10 @@ def _compare(model, ref_model, case, step, rank) -> float:
         if case.dtype == torch.float32:
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"rank {rank} step {step} {name}: {m}")
         else:
-            # bf16: equal but for rare last-bit flips of values whose fp32 masters differ by an ulp
-            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5,
+            # bf16 gradients are summed in bf16, and gloo's all-reduce adds in another order than its
+            # reduce-scatter: beyond two ranks the reduced gradients differ in the last bf16 bit, and
+            # the parameters by a few bf16 ulps (a wrong update is off by whole steps of lr * 1e-2)
+            torch.testing.assert_close(a, b, rtol=2 ** -6, atol=1e-4,
                                        msg=lambda m: f"rank {rank} step {step} {name}: {m}")
         if a.numel():
             worst = max(worst, float((a - b).abs().max()))

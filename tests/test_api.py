@@ -1,0 +1,142 @@
+"""Construction-time errors, on every rank; step() misuse; memory accounting; torch.optim plumbing."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_zero
+from distributed import run_ranks
+from fused_zero.layout import ALIGN
+from scenarios import OddNet, batch, VOCAB
+
+
+def _ddp(**kw):
+    torch.manual_seed(0)
+    model = OddNet()
+    model.never.requires_grad_(False)
+    return model, DDP(model, **kw)
+
+
+def _expect(fn, exc, match):
+    try:
+        fn()
+    except exc as e:
+        import re
+        assert re.search(match, str(e)), f"{type(e).__name__}: {e!s} does not match {match!r}"
+        return f"ok: {match}"
+    raise AssertionError(f"no {exc.__name__} matching {match!r}")
+
+
+def construction_errors(rank, world):
+    out = []
+    model, ddp = _ddp()
+    params = list(ddp.parameters())
+    AdamW = fused_zero.AdamW
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, overlap="eager"), ValueError, "overlap='eager'"))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, grad_reduce="ring"), ValueError, "grad_reduce"))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, backend="cuda"), ValueError, "backend"))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, max_grad_norm=1.0), ValueError, "max_grad_norm needs"))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, overlap="step", max_grad_norm=-1.0), ValueError,
+                       "max_grad_norm must be > 0"))
+    out.append(_expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr"))
+    out.append(_expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta"))
+    out.append(_expect(lambda: AdamW(params), TypeError, "needs ddp="))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding"))
+    out.append(_expect(lambda: AdamW(params, ddp=ddp, capturable=True), ValueError, "capturable"))
+    out.append(_expect(lambda: fused_zero.SGD(params, lr=0.1, nesterov=True, ddp=ddp), ValueError, "Nesterov"))
+    stray = nn.Parameter(torch.zeros(3))
+    out.append(_expect(lambda: AdamW(params + [stray], ddp=ddp), ValueError, "not a parameter that the DDP"))
+    out.append(_expect(lambda: AdamW(params[:2], ddp=ddp), ValueError, "does not own"))
+    groups = [{"params": params[:2], "amsgrad": True}, {"params": params[2:]}]
+    out.append(_expect(lambda: AdamW(groups, ddp=ddp), ValueError, "amsgrad must be the same"))
+    old = os.environ.pop("TRITON_INTERPRET")
+    try:
+        out.append(_expect(lambda: AdamW(params, ddp=ddp, backend="triton"), ValueError, "TRITON_INTERPRET"))
+    finally:
+        os.environ["TRITON_INTERPRET"] = old
+    emb = nn.Embedding(10, 3, sparse=True)
+    sparse_ddp = DDP(emb)
+    out.append(_expect(lambda: AdamW(sparse_ddp.parameters(), ddp=sparse_ddp), ValueError, "sparse"))
+
+    hooked_model, hooked = _ddp()
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    hooked.register_comm_hook(None, allreduce_hook)
+    out.append(_expect(lambda: AdamW(hooked.parameters(), ddp=hooked), RuntimeError, "already has a comm hook"))
+    AdamW(ddp.parameters(), ddp=ddp)
+    out.append(_expect(lambda: AdamW(ddp.parameters(), ddp=ddp), RuntimeError, "already has a comm hook"))
+    return out
+
+
+def test_construction_errors_raise_on_every_rank():
+    results = run_ranks(construction_errors, 2)
+    assert results[0] == results[1] and len(results[0]) == 18
+
+
+def step_misuse(rank, world):
+    out = []
+    model, ddp = _ddp()
+    opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp)
+    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
+    x, y = batch(1, 0, rank)
+    with ddp.no_sync():
+        ddp(x, use_branch=True).sum().backward()
+    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
+    ddp(x, use_branch=True).sum().backward()
+    opt.step()
+    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
+    out.append(_expect(opt.state_dict, NotImplementedError, "sharded"))
+    out.append(_expect(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
+                       RuntimeError, "add_param_group"))
+
+    model2, ddp2 = _ddp()
+    opt2 = fused_zero.AdamW(ddp2.parameters(), ddp=ddp2, overlap="step")
+    ddp2(x, use_branch=True).sum().backward()
+    out.append(_expect(lambda: ddp2(x, use_branch=True).sum().backward(), RuntimeError, "without optimizer.step"))
+    del opt2
+    return out
+
+
+def test_step_misuse_is_a_clear_error():
+    results = run_ranks(step_misuse, 2)
+    assert results[0] == results[1] and len(results[0]) == 6
+
+
+def memory_and_plumbing(rank, world):
+    model, ddp = _ddp(bucket_cap_mb=1000)  # one bucket: the whole model
+    frozen_before = model.never.weight.detach().clone()
+    opt = fused_zero.AdamW(ddp.parameters(), lr=0.1, ddp=ddp, grad_reduce="reduce_scatter")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        x, y = batch(step, 0, rank)
+        torch.nn.functional.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.synchronize()
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shard = numel // (world * ALIGN) * ALIGN
+    region = shard + numel - world * shard
+    mem = opt.memory()
+    return {
+        "lr": opt.param_groups[0]["lr"],
+        "frozen_untouched": torch.equal(model.never.weight, frozen_before),
+        "state": mem["state"], "expected_state": region * (2 * 4 + 4),  # exp_avg, exp_avg_sq, fp32 grad region
+        "reference": mem["reference_state"], "expected_reference": numel * 8,
+        "region": mem["region_elements"], "numel": numel,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_memory_is_one_over_world_plus_tail(world):
+    for r in run_ranks(memory_and_plumbing, world):
+        assert r["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+        assert r["frozen_untouched"]
+        assert r["state"] == r["expected_state"]
+        assert r["reference"] == r["expected_reference"]
+        assert r["region"] - r["numel"] / world < world * ALIGN
+
+
