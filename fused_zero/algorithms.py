@@ -33,6 +33,10 @@ class Algorithm:
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
 
     def __init__(self, param_groups: list[dict]):
+        self.refresh(param_groups)
+
+    def refresh(self, param_groups: list[dict]) -> None:
+        """Check the groups' hyperparameters and read the kernel's compile-time flags from them."""
         for i, group in enumerate(param_groups):
             self.check_group(group, i)
         for key in self.uniform_keys:
@@ -112,8 +116,8 @@ class SGDAlgorithm(Algorithm):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"param group {i}: Nesterov momentum requires a momentum and zero dampening")
 
-    def __init__(self, param_groups):
-        super().__init__(param_groups)
+    def refresh(self, param_groups):
+        super().refresh(param_groups)
         self.has_momentum = any(g["momentum"] != 0 for g in param_groups)
 
     def state_names(self) -> list[str]:

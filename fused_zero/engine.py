@@ -191,10 +191,13 @@ class Engine:
                 "this DDP module already has a comm hook; fused_zero registers its own to update each "
                 "bucket as it is reduced. Build the DDP without register_comm_hook, or build one "
                 "fused_zero optimizer per DDP") from e
-        for module in self.ddp.module.modules():
+        root = self.ddp.module
+        for module in root.modules():
             pids = [self.pid_of[p] for p in module.parameters(recurse=False) if p in self.pid_of]
-            if pids:
-                self._handles.append(module.register_forward_pre_hook(_ForwardWait(self, pids)))
+            if pids or module is root:
+                self._handles.append(module.register_forward_pre_hook(_ForwardWait(self, pids, module is root)))
+        # model.state_dict() reads the parameters: give it their updated values
+        self._handles.append(root.register_state_dict_pre_hook(lambda *a, **k: self.synchronize()))
         if self.track_used:
             for pid, p in enumerate(self.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(_MarkUsed(self, pid)))
@@ -226,6 +229,7 @@ class Engine:
             self.iteration = _Iteration()
         it = self.iteration
         if it.hparams is None:
+            self.join_side_stream()
             it.hparams = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         shard = self._shard_for(bucket.index(), pids, offsets)
         active = self._active(shard)
@@ -245,12 +249,18 @@ class Engine:
         return fut
 
     def _finish(self, it: _Iteration, count: int, max_norm: float | None = None) -> None:
-        """Wait for the first ``count`` ready reductions and update those buckets."""
+        """Wait for the first ``count`` ready reductions and update those buckets.
+
+        On CUDA the waits are made by the side stream, so the backward's own stream never waits
+        for communication.
+        """
         todo, it.ready = it.ready[:count], it.ready[count:]
-        for item in todo:
-            for w in item.works:
-                w.wait()
-        if todo:
+        if not todo:
+            return
+        with self._side_stream(follow_current=any(not item.works for item in todo)):
+            for item in todo:
+                for w in item.works:
+                    w.wait()
             self._update(it, [(item.shard, item.active) for item in todo], max_norm)
 
     def _active(self, shard: BucketShard) -> np.ndarray:
@@ -293,11 +303,21 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def _device_ctx(self):
+    def _side_stream(self, follow_current: bool):
+        """Run the updates on the side stream (CUDA) or inline (CPU). ``follow_current`` orders the
+        side stream after all work queued so far, needed when no collective orders it after the
+        gradients (one rank)."""
         if self.stream is None:
             return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if follow_current:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.stream)
+
+    def join_side_stream(self) -> None:
+        """Order the current stream after the updates: before DDP's buffers and our regions are
+        written again by the next backward and reduction."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def _coefficients(self, it: _Iteration, shard: BucketShard, active: np.ndarray):
         pids = np.asarray(shard.layout.pids)
@@ -308,20 +328,19 @@ class Engine:
         return coefs, pids, step
 
     def _update(self, it: _Iteration, items, max_norm: float | None = None) -> None:
-        with self._device_ctx():
-            prepared = []
-            for shard, active in items:
-                shard.wait_gather()
-                prepared.append((shard, *self._coefficients(it, shard, active)))
-            clip = self._clip_coef(prepared, max_norm) if max_norm is not None else None
-            for shard, coefs, pids, step in prepared:
-                with range_push(f"fused_zero.update[{id(shard) % 10000}]"):
-                    grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
-                    self.algo.update(self.backend, shard.rows, shard.segments, coefs,
-                                     UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
-                self.steps[pids] = step
-                shard.reduced_buffer = None
-                self._start_gather(shard)
+        prepared = []
+        for shard, active in items:
+            shard.wait_gather()
+            prepared.append((shard, *self._coefficients(it, shard, active)))
+        clip = self._clip_coef(prepared, max_norm) if max_norm is not None else None
+        for shard, coefs, pids, step in prepared:
+            with range_push(f"fused_zero.update[{shard.layout.numel}]"):
+                grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
+                self.algo.update(self.backend, shard.rows, shard.segments, coefs,
+                                 UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
+            self.steps[pids] = step
+            shard.reduced_buffer = None
+            self._start_gather(shard)
 
     def _clip_coef(self, prepared, max_norm: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -384,10 +403,12 @@ class Engine:
 class _ForwardWait:
     """Forward pre-hook: wait for the gathers of the buckets holding this module's own parameters."""
 
-    def __init__(self, engine: Engine, pids: list[int]):
-        self.engine, self.pids = engine, pids
+    def __init__(self, engine: Engine, pids: list[int], root: bool):
+        self.engine, self.pids, self.root = engine, pids, root
 
     def __call__(self, module, args):
+        if self.root:
+            self.engine.join_side_stream()
         where = self.engine.where
         for pid in self.pids:
             shard = where[pid][0]

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from . import checkpoint
 from .algorithms import AdamFamily, SGDAlgorithm
 from .engine import Engine
+
+
+# torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
+_TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 
 
 class _ShardedOptimizer(torch.optim.Optimizer):
@@ -77,12 +82,15 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             "region_elements": sum(s.layout.region_size for s in shards),
         }
 
-    def state_dict(self):
-        raise NotImplementedError("fused_zero optimizers do not save state yet: the state is sharded "
-                                  "across ranks; checkpointing is planned")
+    def state_dict(self) -> dict:
+        """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... on CPU), which
+        ``torch.optim`` loads as it is. A collective: call it on every rank; every rank gets it all."""
+        return checkpoint.state_dict(self._engine)
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("fused_zero optimizers do not load state yet")
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout.
+        Load the model's weights first: master weights start from the parameters. Call on every rank."""
+        checkpoint.load_state_dict(self._engine, state_dict)
 
 
 class AdamW(_ShardedOptimizer):
@@ -93,7 +101,7 @@ class AdamW(_ShardedOptimizer):
                  ddp=None, grad_reduce="reduce_scatter", overlap="bucket", master_weights=None,
                  max_grad_norm=None, backend="auto"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=True)
+                        maximize=maximize, decoupled_weight_decay=True, **_TORCH_FLAGS)
         super().__init__(params, defaults)
         self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), grad_reduce=grad_reduce,
                     overlap=overlap, master_weights=master_weights, max_grad_norm=max_grad_norm,
@@ -109,7 +117,7 @@ class Adam(_ShardedOptimizer):
                  decoupled_weight_decay=False, ddp=None, grad_reduce="reduce_scatter", overlap="bucket",
                  master_weights=None, max_grad_norm=None, backend="auto"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, **_TORCH_FLAGS)
         super().__init__(params, defaults)
         self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay),
                     grad_reduce=grad_reduce, overlap=overlap, master_weights=master_weights,
@@ -125,7 +133,7 @@ class SGD(_ShardedOptimizer):
                  grad_reduce="reduce_scatter", overlap="bucket", master_weights=None, max_grad_norm=None,
                  backend="auto"):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults)
         self._start(ddp, SGDAlgorithm(self.param_groups), grad_reduce=grad_reduce, overlap=overlap,
                     master_weights=master_weights, max_grad_norm=max_grad_norm, backend=backend,
