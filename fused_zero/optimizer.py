@@ -30,6 +30,10 @@ _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=
 class _ShardedOptimizer(torch.optim.Optimizer):
     """Shared plumbing: validates torch-only flags, builds the Engine, forwards step()."""
 
+    # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
+    # param.grad itself, which would be too late here (see step()).
+    _step_supports_amp_scaling = True
+
     def _start(self, ddp, algorithm, *, grad_reduce, overlap, master_weights, max_grad_norm, backend,
                foreach, fused, capturable, differentiable):
         if ddp is None:
@@ -51,6 +55,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """End the iteration: with overlap="step" run every bucket's update; otherwise the updates
         already ran during backward. Does not wait for the all-gathers (see ``synchronize``)."""
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            raise RuntimeError("torch.amp.GradScaler is not supported yet: the loss scale must be known "
+                               "before the updates that run during backward. Train in bf16 (no loss "
+                               "scaling needed) or fp32")
         loss = None
         if closure is not None:
             with torch.enable_grad():
