@@ -230,7 +230,7 @@ class Engine:
         it = self.iteration
         if it.hparams is None:
             self.join_side_stream()
-            it.hparams = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+            it.hparams = self._read_hparams()
         shard = self._shard_for(bucket.index(), pids, offsets)
         active = self._active(shard)
         with range_push(f"fused_zero.reduce[{bucket.index()}]"):
@@ -262,6 +262,9 @@ class Engine:
                 for w in item.works:
                     w.wait()
             self._update(it, [(item.shard, item.active) for item in todo], max_norm)
+
+    def _read_hparams(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
 
     def _active(self, shard: BucketShard) -> np.ndarray:
         """Which of the bucket's parameters got a gradient on some rank (torch.optim skips the rest)."""
@@ -372,6 +375,8 @@ class Engine:
                                "before stepping")
         if not it.last_invoked:
             raise RuntimeError("optimizer.step() called while DDP is still reducing gradients")
+        if self.overlap == "step":  # the updates run now: hyperparameters as they are now
+            it.hparams = self._read_hparams()
         self._finish(it, len(it.ready), self.max_grad_norm)
         if self.track_used and self.used_static is None and getattr(self.ddp, "static_graph", False):
             self.used_static = self._global_used()

@@ -143,3 +143,25 @@ def test_memory_is_one_over_world_plus_tail(world):
         assert r["region"] - r["numel"] / world < world * ALIGN
 
 
+
+
+def hparams_read_time(rank, world):
+    """overlap='step' reads param_groups in step(); the other modes at the first bucket."""
+    out = {}
+    for overlap in ("step", "bucket"):
+        model, ddp = _ddp()
+        opt = fused_zero.AdamW(ddp.parameters(), lr=0.1, ddp=ddp, overlap=overlap)
+        x, _ = batch(0, 0, rank)
+        ddp(x, use_branch=True).sum().backward()
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+        opt.synchronize()
+        fresh = OddNet()
+        fresh.load_state_dict(_ddp()[0].state_dict())
+        out[overlap] = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return out
+
+
+def test_step_mode_reads_hyperparameters_at_step():
+    for r in run_ranks(hparams_read_time, 2):
+        assert r == {"step": True, "bucket": False}
