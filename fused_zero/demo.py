@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+
 from .demo_model import GPT, CharTokenizer, GPTConfig, batches, load_corpus
 
 

@@ -10,9 +10,9 @@ receives gradient from two places and must be stepped exactly once).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn

@@ -22,7 +22,6 @@ from . import checkpoint
 from .algorithms import AdamFamily, SGDAlgorithm
 from .engine import Engine
 
-
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 

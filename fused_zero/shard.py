@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import BucketLayout
 from .kernels import Segments
+from .layout import BucketLayout
 
 
 class BucketShard:

@@ -20,7 +20,15 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    BLOCK, NUM_WARPS, check_coefs, check_flat, check_scalar, grid, load_grad, load_row, store_param,
+    BLOCK,
+    NUM_WARPS,
+    check_coefs,
+    check_flat,
+    check_scalar,
+    grid,
+    load_grad,
+    load_row,
+    store_param,
 )
 from .segments import Segments
 

@@ -198,13 +198,14 @@ def _compare(model, ref_model, case, step, rank) -> float:
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         a, b = p.detach().float(), q.detach().float()
         if case.dtype == torch.float32:
-            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6,
+                                       msg=lambda m, name=name: f"rank {rank} step {step} {name}: {m}")
         else:
             # bf16 gradients are summed in bf16, and gloo's all-reduce adds in another order than its
             # reduce-scatter: beyond two ranks the reduced gradients differ in the last bf16 bit, and
             # the parameters by a few bf16 ulps (a wrong update is off by whole steps of lr * 1e-2)
             torch.testing.assert_close(a, b, rtol=2 ** -6, atol=1e-4,
-                                       msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+                                       msg=lambda m, name=name: f"rank {rank} step {step} {name}: {m}")
         if a.numel():
             worst = max(worst, float((a - b).abs().max()))
     return worst

@@ -4,14 +4,13 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
+from distributed import run_ranks
+from scenarios import VOCAB, OddNet, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from distributed import run_ranks
 from fused_zero.layout import ALIGN
-from scenarios import OddNet, batch, VOCAB
 
 
 def _ddp(**kw):

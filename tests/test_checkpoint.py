@@ -3,9 +3,8 @@ a state saved at one world size loads at another."""
 
 import pytest
 import torch
-
 from distributed import run_ranks
-from scenarios import Case, build, loss_of, _reference_step, _compare
+from scenarios import Case, _compare, _reference_step, build, loss_of
 
 
 def _train(case, ddp, opt, rank, steps, start=1):

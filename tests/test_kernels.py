@@ -9,9 +9,13 @@ import math
 
 import pytest
 import torch
-
 from fused_zero.kernels import (
-    Segments, adam_coefficients, adam_step, grad_sumsq, sgd_coefficients, sgd_step,
+    Segments,
+    adam_coefficients,
+    adam_step,
+    grad_sumsq,
+    sgd_coefficients,
+    sgd_step,
 )
 
 SIZES = (1, 7, 1000, 4099, 33, 2050)

@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from scenarios import Case, run_cases
 
