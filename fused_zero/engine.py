@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import Algorithm, UpdateArgs, clip_coefficient
+from .kernels import Segments
 from .layout import BucketLayout, reshard_plan
 from .profiling import range_push
 from .shard import BucketShard
@@ -98,6 +99,8 @@ class Engine:
         self._handles = []
         self._install_initial_layout()
         self._register_hooks()
+        if self.backend == "triton":
+            self._compile_kernels()
 
     # ------------------------------------------------------------------ layout and state
 
@@ -180,6 +183,24 @@ class Engine:
             for f, n in enumerate(names):
                 new.state[n][t.dst_off:t.dst_off + t.length].copy_(recv[pos:pos + t.length, f])
             pos += t.length
+
+    def _compile_kernels(self) -> None:
+        """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
+        Triton compiles now and not inside the first backward (tens of ms per variant)."""
+        for shard in self.shards():
+            dtype = shard.param_buffer.dtype
+            one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
+            state = {name: one() for name in shard.state}
+            coefs = self.algo.coefficients([{k: v for k, v in g.items() if k != "params"}
+                                            for g in self.opt.param_groups],
+                                           np.zeros(1, dtype=np.int64), np.ones(1), np.zeros(1, dtype=bool), 1.0)
+            coefs = coefs.to(self.device)
+            rows = [(0, 1, 0, 0, 0)]
+            segments = Segments.build(rows, self.device)
+            clip = one() if self.max_grad_norm is not None else None
+            self.algo.update("triton", rows, segments, coefs, UpdateArgs(one(dtype), one(dtype), state, clip_coef=clip))
+            if self.max_grad_norm is not None:
+                self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype))
 
     # ------------------------------------------------------------------ hooks
 
