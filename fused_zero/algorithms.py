@@ -90,14 +90,12 @@ class AdamFamily(Algorithm):
 
     def coefficients(self, groups: list[dict], group_idx: np.ndarray, step: np.ndarray,
                      active: np.ndarray, grad_div: float) -> torch.Tensor:
-        pick = lambda key: np.array([groups[g][key] for g in group_idx], dtype=np.float64)  # noqa: E731
-        decoupled = np.array([groups[g].get("decoupled_weight_decay", self.decoupled_default)
-                              for g in group_idx], dtype=bool)
+        pick = _per_param(groups, group_idx)
         return adam_coefficients(
-            lr=pick("lr"), beta1=np.array([groups[g]["betas"][0] for g in group_idx]),
-            beta2=np.array([groups[g]["betas"][1] for g in group_idx]), eps=pick("eps"),
-            weight_decay=pick("weight_decay"), step=step, decoupled=decoupled, grad_div=grad_div,
-            active=active)
+            lr=pick(lambda g: g["lr"]), beta1=pick(lambda g: g["betas"][0]), beta2=pick(lambda g: g["betas"][1]),
+            eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=step,
+            decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
+            grad_div=grad_div, active=active)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
@@ -124,13 +122,14 @@ class SGDAlgorithm(Algorithm):
         return ["momentum_buffer"] if self.has_momentum else []
 
     def coefficients(self, groups, group_idx, step, active, grad_div) -> torch.Tensor:
-        pick = lambda key: np.array([groups[g][key] for g in group_idx], dtype=np.float64)  # noqa: E731
-        momentum = pick("momentum")
+        pick = _per_param(groups, group_idx)
+        momentum = pick(lambda g: g["momentum"])
         # torch creates the buffer from the gradient on a parameter's first step; a group without
         # momentum "creates" it every step, which makes the update plain SGD
         first = (step <= 1) | (momentum == 0)
-        return sgd_coefficients(lr=pick("lr"), momentum=momentum, dampening=pick("dampening"),
-                                weight_decay=pick("weight_decay"), first=first, grad_div=grad_div,
+        return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=momentum,
+                                dampening=pick(lambda g: g["dampening"]),
+                                weight_decay=pick(lambda g: g["weight_decay"]), first=first, grad_div=grad_div,
                                 active=active)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
@@ -138,6 +137,13 @@ class SGDAlgorithm(Algorithm):
                  master=a.state.get("master"), nesterov=self.flags["nesterov"],
                  maximize=self.flags["maximize"], grad_scale=a.grad_scale, found_inf=a.found_inf,
                  clip_coef=a.clip_coef)
+
+
+def _per_param(groups: list[dict], group_idx: np.ndarray):
+    """``pick(f)``: ``f`` of each parameter's group, as a float64 array (one Python call per group)."""
+    def pick(f):
+        return np.array([float(f(g)) for g in groups], dtype=np.float64)[group_idx]
+    return pick
 
 
 def clip_coefficient(total_sumsq: torch.Tensor, max_norm: float) -> torch.Tensor:

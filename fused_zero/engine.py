@@ -35,7 +35,8 @@ BACKENDS = ("auto", "triton", "torch")
 
 @dataclass
 class _Reduced:
-    """A bucket whose reduction has been started: its shard, active-parameter mask and Works."""
+    """A bucket whose reduction has been started: its shard, the parameters that got a gradient and
+    the Works to wait for."""
 
     shard: BucketShard
     active: np.ndarray
@@ -48,12 +49,15 @@ class _Iteration:
 
     Attributes:
         hparams: param groups' hyperparameters, read at the iteration's first bucket.
+        coefs: the per-parameter coefficient table of this iteration (every parameter active), on the
+            host and on the device; built once, shared by every bucket's launch.
         invoked: buckets handed to the hook.
         last_invoked: the hook has seen DDP's last bucket.
         ready: buckets whose reduction was started but which are not updated yet.
     """
 
     hparams: list[dict] | None = None
+    coefs: tuple[torch.Tensor, torch.Tensor] | None = None
     invoked: int = 0
     last_invoked: bool = False
     ready: list[_Reduced] = field(default_factory=list)
@@ -87,6 +91,8 @@ class Engine:
         self.backend = _resolve_backend(backend, self.device)
         self.master_weights = master_weights
         self.steps = np.zeros(len(self.params), dtype=np.float64)
+        # what the kernel divides each parameter's reduced gradient by: 1 where the reduction averaged
+        self.grad_div = np.array([1.0 if self._pre_divides(p.dtype) else float(self.world) for p in self.params])
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.iteration = _Iteration()
         self.where: dict[int, tuple[BucketShard, int]] = {}
@@ -255,7 +261,7 @@ class Engine:
         shard = self._shard_for(bucket.index(), pids, offsets)
         active = self._active(shard)
         with range_push(f"fused_zero.reduce[{bucket.index()}]"):
-            works, shard.grad_div = self._reduce(shard, buffer)
+            works = self._reduce(shard, buffer)
         shard.reduced_buffer = buffer
         it.ready.append(_Reduced(shard, active, works))
         it.invoked += 1
@@ -282,7 +288,7 @@ class Engine:
             for item in todo:
                 for w in item.works:
                     w.wait()
-            self._update(it, [(item.shard, item.active) for item in todo], max_norm)
+            self._update(it, todo, max_norm)
 
     def _read_hparams(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -299,18 +305,19 @@ class Engine:
             dist.all_reduce(flags, group=self.group)
         return flags.cpu().numpy() > 0
 
-    def _reduce(self, shard: BucketShard, buffer: torch.Tensor):
-        """Start this bucket's reduction; return its Works (the last one carries the future) and the
-        divisor the kernel still has to apply to turn the sum into DDP's average."""
+    def _pre_divides(self, dtype: torch.dtype) -> bool:
+        """Divide before summing, as DDP does, wherever rounding or range make it matter: for all-reduce
+        (so param.grad is DDP's average) and for low-precision gradients (DDP's rounding, and no fp16
+        overflow). fp32 reduce-scatter sums leave the division to the kernel: a pass over the bucket
+        saved."""
+        return self.grad_reduce == "all_reduce" or dtype != torch.float32
+
+    def _reduce(self, shard: BucketShard, buffer: torch.Tensor) -> list:
+        """Start this bucket's reduction; return its Works."""
         if self.world == 1:
-            return [], 1.0
+            return []
         layout, g = shard.layout, self.group
-        # Divide before summing, as DDP does, wherever rounding or range make it matter: for
-        # all-reduce (so param.grad is DDP's average) and for low-precision gradients (DDP's rounding,
-        # and no fp16 overflow). fp32 reduce-scatter sums leave the division to the kernel: one pass
-        # over the bucket saved.
-        pre_divide = self.grad_reduce == "all_reduce" or buffer.dtype != torch.float32
-        if pre_divide:
+        if self._pre_divides(buffer.dtype):
             buffer.div_(self.world)
         works = []
         if self.grad_reduce == "all_reduce":
@@ -322,8 +329,8 @@ class Engine:
                 works.append(dist.all_reduce(region[layout.shard:], group=g, async_op=True))
             if layout.shard:
                 works.append(_reduce_scatter(region[:layout.shard], buffer[:layout.head],
-                                                        group=g, async_op=True))
-        return works, 1.0 if pre_divide else float(self.world)
+                                             group=g, async_op=True))
+        return works
 
     # ------------------------------------------------------------------ update
 
@@ -343,32 +350,46 @@ class Engine:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def _coefficients(self, it: _Iteration, shard: BucketShard, active: np.ndarray):
-        pids = np.asarray(shard.layout.pids)
-        step = self.steps[pids] + active
-        coefs = self.algo.coefficients(it.hparams, self.group_of[pids], step, active, shard.grad_div)
-        if self.device.type == "cuda":
-            coefs = coefs.pin_memory().to(self.device, non_blocking=True)
-        return coefs, pids, step
+    def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
+        """Every parameter's update scalars for this step, one row per parameter (host float32)."""
+        return self.algo.coefficients(hparams, self.group_of, self.steps + active, active, self.grad_div)
 
-    def _update(self, it: _Iteration, items, max_norm: float | None = None) -> None:
-        prepared = []
-        for shard, active in items:
-            shard.wait_gather()
-            prepared.append((shard, *self._coefficients(it, shard, active)))
-        clip = self._clip_coef(prepared, max_norm) if max_norm is not None else None
-        for shard, coefs, pids, step in prepared:
+    def _coefs_for(self, it: _Iteration, shard: BucketShard, active: np.ndarray) -> torch.Tensor:
+        """The table a bucket's update reads: the iteration's shared one, unless some parameter of the
+        bucket got no gradient (then a table of its own, with those rows inactive)."""
+        if it.coefs is None:
+            it.coefs = self._to_device(self._coefficient_table(it.hparams, np.ones(len(self.params))))
+        if active.all():
+            return it.coefs
+        mask = np.ones(len(self.params))
+        mask[np.asarray(shard.layout.pids)] = active
+        return self._to_device(self._coefficient_table(it.hparams, mask))
+
+    def _to_device(self, table: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return table
+        with self._side_stream(follow_current=False):  # the side stream reads it first
+            return table.pin_memory().to(self.device, non_blocking=True)
+
+    def _update(self, it: _Iteration, items: list[_Reduced], max_norm: float | None = None) -> None:
+        coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
+        for item in items:
+            item.shard.wait_gather()
+        clip = self._clip_coef(items, coefs, max_norm) if max_norm is not None else None
+        for item, table in zip(items, coefs):
+            shard = item.shard
             with range_push(f"fused_zero.update[{shard.layout.numel}]"):
                 grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
-                self.algo.update(self.backend, shard.rows, shard.segments, coefs,
+                self.algo.update(self.backend, shard.rows, shard.segments, table,
                                  UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
-            self.steps[pids] = step
+            self.steps[np.asarray(shard.layout.pids)] += item.active
             shard.reduced_buffer = None
             self._start_gather(shard)
 
-    def _clip_coef(self, prepared, max_norm: float) -> torch.Tensor:
+    def _clip_coef(self, items: list[_Reduced], tables: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for shard, coefs, _, _ in prepared:
+        for item, coefs in zip(items, tables):
+            shard = item.shard
             grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
             sumsq, _ = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs, grad)
             total += sumsq
@@ -397,7 +418,7 @@ class Engine:
         if not it.last_invoked:
             raise RuntimeError("optimizer.step() called while DDP is still reducing gradients")
         if self.overlap == "step":  # the updates run now: hyperparameters as they are now
-            it.hparams = self._read_hparams()
+            it.hparams, it.coefs = self._read_hparams(), None
         self._finish(it, len(it.ready), self.max_grad_norm)
         if self.track_used and self.used_static is None and getattr(self.ddp, "static_graph", False):
             self.used_static = self._global_used()

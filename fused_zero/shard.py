@@ -24,8 +24,7 @@ class BucketShard:
         norm_rows / norm_segments: the rows whose gradients count towards the global norm: the
             replicated tail is counted on rank 0 only.
         gather: the pending all-gather's Work, or None.
-        reduced_buffer, grad_div: this iteration's reduced DDP buffer and the divisor that turns
-            its sum into DDP's average, from the reduction to the update.
+        reduced_buffer: this iteration's reduced DDP buffer, from the reduction to the update.
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
@@ -39,13 +38,14 @@ class BucketShard:
                       for name in names}
         self.grad_region = (torch.zeros(layout.region_size, dtype=dtype, device=device)
                             if grad_in_region else None)
-        self.rows = layout.rows(grad_in_region=grad_in_region)
+        # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
+        self.rows = [(so, n, po, go, layout.pids[local])
+                     for so, n, po, go, local in layout.rows(grad_in_region=grad_in_region)]
         self.norm_rows = [r for r in self.rows if r[0] < layout.shard or layout.rank == 0]
         self.segments = Segments.build(self.rows, device) if build_segments else None
         self.norm_segments = Segments.build(self.norm_rows, device) if build_segments else None
         self.gather: dist.Work | None = None
         self.reduced_buffer: torch.Tensor | None = None  # DDP's buffer, kept until the step has run
-        self.grad_div = 1.0  # what the kernel divides the reduced gradient by (sum -> average)
 
     def bind_params(self) -> None:
         """Copy the parameters' current values into the flat buffer and make them views of it."""

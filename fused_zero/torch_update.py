@@ -27,13 +27,31 @@ def _grad(args, go: int, n: int, grad_div: float, maximize: bool) -> torch.Tenso
     return g.neg_() if maximize else g
 
 
+def merged_runs(rows, table: list[list[float]]):
+    """Rows back to back in all three buffers with equal coefficients, merged into one run each.
+
+    A region holds its parameters back to back, so a bucket whose parameters share a param group and
+    a step count is a handful of runs: the per-op cost is paid per run, not per parameter. Elementwise
+    results do not depend on where a run is cut.
+    """
+    runs = []
+    for so, n, po, go, pid in rows:
+        if runs:
+            rso, rn, rpo, rgo, rpid = runs[-1]
+            if so == rso + rn and po == rpo + rn and go == rgo + rn and table[pid] == table[rpid]:
+                runs[-1] = (rso, rn + n, rpo, rgo, rpid)
+                continue
+        runs.append((so, n, po, go, pid))
+    return runs
+
+
 def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
           nesterov: bool = False) -> None:
     if args.found_inf is not None and float(args.found_inf) != 0.0:
         return
     table = coefs.tolist()
     master = args.state.get("master")
-    for so, n, po, go, pid in rows:
+    for so, n, po, go, pid in merged_runs(rows, table):
         c = table[pid]
         if c[0] == 0.0:  # inactive: no gradient this step
             continue
@@ -90,7 +108,7 @@ def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.
     table = coefs.tolist()
     sumsq = torch.zeros((), dtype=torch.float32)
     bad = torch.zeros((), dtype=torch.float32)
-    for _, n, _, go, pid in rows:
+    for _, n, _, go, pid in merged_runs(rows, table):
         if table[pid][0] == 0.0:
             continue
         g = grad[go:go + n].float() / table[pid][1]
