@@ -25,3 +25,17 @@ def _fresh():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Record what the numbers depend on beside the CPU: library versions and the accelerator."""
+    import platform
+
+    import triton
+
+    machine_info["torch_version"] = torch.__version__
+    machine_info["triton_version"] = triton.__version__
+    machine_info["cuda_device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    machine_info["cuda_device_count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    machine_info["cpu_count"] = os.cpu_count()
+    machine_info.setdefault("processor", platform.processor())

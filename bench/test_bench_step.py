@@ -38,8 +38,10 @@ bytes, the hidden share, per-rank means).
 
 Benchmarks (groups):
 
-    step-<model>          world 2 (CUDA: min(GPUs, 2)), models of a few sizes, batch 4 x 64 tokens per
-                          rank so that the optimizer is a larger part of the iteration: every system's
+    step-<model>          world 2 (CUDA: min(GPUs, 2), so 1 on a one-GPU machine), the demo GPT at a few
+                          sizes (CPU: n_embd 64/128, 2/4 layers, 0.1M-0.8M parameters; CUDA: up to
+                          n_embd 1024, 8 layers, ~100M), batch 4 x 64 tokens per rank so that the
+                          optimizer is a larger part of the iteration: every system's
                           iteration time (``measure=iteration``) and the time of ``opt.step()`` alone
                           (``measure=opt.step``). fused_zero's ``opt.step()`` in bucket and backward mode
                           is near zero because the updates already ran inside the backward: that is
@@ -95,6 +97,7 @@ Run (bench/ is not part of the default ``pytest`` run, whose testpaths are tests
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import socket
@@ -111,8 +114,6 @@ import torch.multiprocessing as mp
 CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if CUDA else 0
 BACKEND = "nccl" if CUDA else "gloo"
-DEVICE_NAME = (torch.cuda.get_device_name(0) if CUDA
-               else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
 CPU_COUNT = os.cpu_count() or 1
 
 WARMUP = int(os.environ.get("FUSED_ZERO_BENCH_WARMUP", 5 if CUDA else 3))  # ZeRO's hook: >= 3 on NCCL
@@ -141,6 +142,14 @@ HOST_BUCKET_CAP_MB = 0.05
 HOST_OVERLAPS = ["bucket", "step"]
 SCALING_WORLDS = [1, 2, 4]
 SCALING_SYSTEMS = [BASELINE, "fused_zero-bucket"]
+
+
+@functools.cache
+def device_name() -> str:
+    """Asked for in the parent only: on CUDA it creates a context on GPU 0, which ranks must not."""
+    if CUDA:
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {CPU_COUNT} cores)"
 
 
 def _fit_world(requested: int) -> int | None:
@@ -253,12 +262,13 @@ def _torch_adamw_kwargs(device: torch.device) -> tuple[dict, str]:
 
 
 class _System:
-    """One system's model, DDP and optimizer, and the four callables an iteration needs."""
+    """One system: its model, DDP and optimizer, and the callables an iteration needs."""
 
     def __init__(self, name: str, sc: dict, vocab: int, device: torch.device, impl: dict, impl_name: str):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
         import fused_zero
         from fused_zero.demo_model import GPT, GPTConfig, param_count
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.name = name
         n_embd, n_layer, n_head = sc["model"]
@@ -380,7 +390,7 @@ def _run_scenario(rank: int, world: int, sc: dict, corpus, vocab: int, device: t
                 systems[name] = _System(name, sc, vocab, device, impl, impl_name)
                 if probe is not None:
                     probe.watch_updates(systems[name].opt)
-            except Exception:  # noqa: BLE001 -- reported by that system's test, the others go on
+            except Exception:  # reported by that system's tests; the other systems go on
                 errors[name] = traceback.format_exc()
             out[name] = {k: [] for k in ("fwd", "bwd", "step", "zero_grad", "iter", "on_bucket", "buckets",
                                          "update", "updates")}
@@ -394,7 +404,7 @@ def _run_scenario(rank: int, world: int, sc: dict, corpus, vocab: int, device: t
                 try:
                     pos[name] = _run_block(systems[name], data, pos[name], WARMUP if r == 0 else REWARM,
                                            iters, marks, device, probe, out[name])
-                except Exception:  # noqa: BLE001
+                except Exception:  # reported by that system's tests
                     errors[name] = traceback.format_exc()
                     dist.barrier()  # a failure every rank shares: resynchronise and go on
         for name, s in systems.items():
@@ -438,7 +448,7 @@ def _entry(rank, world, port, backend, fn, args, results):
         finally:
             dist.destroy_process_group()
         results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 -- every failure must reach the parent
+    except BaseException:  # every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
 
 
@@ -566,7 +576,7 @@ def _system_info(res: dict, system: str) -> dict:
     r0 = ranks[0]["systems"][system]
     n_embd, n_layer, n_head = sc["model"]
     info = dict(
-        bench=sc["kind"], system=system, world=sc["world"], backend=BACKEND, device=DEVICE_NAME,
+        bench=sc["kind"], system=system, world=sc["world"], backend=BACKEND, device=device_name(),
         torch=torch.__version__, model=f"GPT n_embd={n_embd} n_layer={n_layer} n_head={n_head}",
         model_label=sc["label"], params=r0["params"], batch_per_rank=sc["batch"], block=sc["block"],
         bucket_cap_mb=sc["bucket_cap_mb"], optimizer_impl=r0["impl"], warmup=WARMUP, iters=len(r0["iter"]),
