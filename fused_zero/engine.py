@@ -31,6 +31,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
+PARAM_SYNCS = ("step", "forward")
 
 
 @dataclass
@@ -64,10 +65,12 @@ class _Iteration:
 
 
 class Engine:
-    def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, *, grad_reduce: str,
-                 overlap: str, master_weights: bool | None, backend: str, max_grad_norm: float | None):
+    def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, *,
+                 grad_reduce: str = "reduce_scatter", overlap: str = "bucket", master_weights: bool | None = None,
+                 max_grad_norm: float | None = None, param_sync: str = "step", backend: str = "auto"):
         _check_choice("overlap", overlap, OVERLAPS)
         _check_choice("grad_reduce", grad_reduce, GRAD_REDUCES)
+        _check_choice("param_sync", param_sync, PARAM_SYNCS)
         _check_choice("backend", backend, BACKENDS)
         if max_grad_norm is not None:
             if overlap != "step":
@@ -81,6 +84,7 @@ class Engine:
         self.overlap = overlap
         self.grad_reduce = grad_reduce
         self.max_grad_norm = max_grad_norm
+        self.param_sync = param_sync
         self.group = ddp.process_group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -424,6 +428,8 @@ class Engine:
             self.used_static = self._global_used()
         self.used_local[:] = False
         self.iteration = _Iteration()
+        if self.param_sync == "step":
+            self.synchronize()
 
     def _global_used(self) -> np.ndarray:
         flags = torch.from_numpy(self.used_local.astype(np.int32)).to(self.device)

@@ -11,6 +11,10 @@ options shared by all:
                     "step" (reductions overlap the backward, updates run in ``step()``)
     master_weights  keep fp32 master weights for bf16/fp16 parameters (default: on for them)
     max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" only)
+    param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
+                    wait, no host sync) or "forward" (the all-gathers run on behind step() and each
+                    module's forward waits only for its own buckets; read parameters elsewhere only
+                    after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
 """
 
@@ -33,15 +37,15 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     # param.grad itself, which would be too late here (see step()).
     _step_supports_amp_scaling = True
 
-    def _start(self, ddp, algorithm, *, grad_reduce, overlap, master_weights, max_grad_norm, backend,
-               foreach, fused, capturable, differentiable):
+    def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
+        """``options``: the keyword-only sharding options of the module docstring (Engine checks them;
+        an unknown one is a TypeError naming it). foreach and fused are accepted for drop-in
+        compatibility and ignored: the update is always one fused kernel."""
         if ddp is None:
             raise TypeError(f"{type(self).__name__} needs ddp=<the DistributedDataParallel module>")
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
-        del foreach, fused  # accepted for drop-in compatibility: the update is always one fused kernel
-        self._engine = Engine(self, ddp, algorithm, grad_reduce=grad_reduce, overlap=overlap,
-                              master_weights=master_weights, backend=backend, max_grad_norm=max_grad_norm)
+        self._engine = Engine(self, ddp, algorithm, **options)
         self._started = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -105,15 +109,12 @@ class AdamW(_ShardedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 ddp=None, grad_reduce="reduce_scatter", overlap="bucket", master_weights=None,
-                 max_grad_norm=None, backend="auto"):
+                 ddp=None, **options):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=True, **_TORCH_FLAGS)
         super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), grad_reduce=grad_reduce,
-                    overlap=overlap, master_weights=master_weights, max_grad_norm=max_grad_norm,
-                    backend=backend, foreach=foreach, fused=fused, capturable=capturable,
-                    differentiable=differentiable)
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
+                    capturable=capturable, differentiable=differentiable)
 
 
 class Adam(_ShardedOptimizer):
@@ -121,14 +122,11 @@ class Adam(_ShardedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, ddp=None, grad_reduce="reduce_scatter", overlap="bucket",
-                 master_weights=None, max_grad_norm=None, backend="auto"):
+                 decoupled_weight_decay=False, ddp=None, **options):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, **_TORCH_FLAGS)
         super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay),
-                    grad_reduce=grad_reduce, overlap=overlap, master_weights=master_weights,
-                    max_grad_norm=max_grad_norm, backend=backend, foreach=foreach, fused=fused,
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay), options,
                     capturable=capturable, differentiable=differentiable)
 
 
@@ -136,12 +134,8 @@ class SGD(_ShardedOptimizer):
     """torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize)."""
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, ddp=None,
-                 grad_reduce="reduce_scatter", overlap="bucket", master_weights=None, max_grad_norm=None,
-                 backend="auto"):
+                 maximize=False, foreach=None, differentiable=False, fused=None, ddp=None, **options):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults)
-        self._start(ddp, SGDAlgorithm(self.param_groups), grad_reduce=grad_reduce, overlap=overlap,
-                    master_weights=master_weights, max_grad_norm=max_grad_norm, backend=backend,
-                    foreach=foreach, fused=fused, capturable=False, differentiable=differentiable)
+        self._start(ddp, SGDAlgorithm(self.param_groups), options, differentiable=differentiable)

@@ -62,11 +62,13 @@ class Case:
     scheduler: bool = True
     max_grad_norm: float | None = None
     backend: str = "torch"
+    param_sync: str = "step"  # "forward": only the forward pre-hooks wait for the all-gathers
 
     def name(self) -> str:
         return (f"{self.opt}{self.kwargs or ''}-{self.overlap}-{self.grad_reduce}-cap{self.bucket_cap_mb}-"
                 f"g{self.groups}-{str(self.dtype)[6:]}-{self.graph}-view{int(self.as_view)}-acc{self.accumulate}"
-                f"{'-nanogpt' if self.nanogpt_accumulate else ''}-clip{self.max_grad_norm}-{self.backend}")
+                f"{'-nanogpt' if self.nanogpt_accumulate else ''}-clip{self.max_grad_norm}-{self.backend}"
+                f"-sync{self.param_sync}")
 
 
 DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
@@ -96,7 +98,7 @@ def build(case: Case, rank: int):
     ref_ddp = DDP(ref_model, **ddp_kw)
     opt = getattr(fused_zero, case.opt)(param_groups(model, case), ddp=ddp, overlap=case.overlap,
                                          grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
-                                         backend=case.backend)
+                                         backend=case.backend, param_sync=case.param_sync)
     if case.dtype == torch.float32:
         ref_params = list(ref_model.parameters())
         ref_opt = getattr(torch.optim, case.opt)(param_groups(ref_model, case), foreach=False)
@@ -156,7 +158,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             else:
                 o.step()
                 o.zero_grad()
-        opt.synchronize()
+        if case.param_sync == "forward":  # else step() has waited: what a user reads is up to date
+            opt.synchronize()
         worst = max(worst, _compare(model, ref_model, case, step, rank))
         _check_ranks_agree(model, step)
     opt._engine.close()
