@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import all_gather
 from .layout import BucketLayout
-
-_all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 
 
 def _full(engine, shard, name: str) -> torch.Tensor:
@@ -21,7 +20,7 @@ def _full(engine, shard, name: str) -> torch.Tensor:
     full = torch.empty(layout.numel, dtype=region.dtype, device=region.device)
     if layout.shard:
         if engine.world > 1:
-            _all_gather(full[:layout.head], region[:layout.shard].contiguous(), group=engine.group)
+            all_gather(full[:layout.head], region[:layout.shard].contiguous(), group=engine.group)
         else:
             full[:layout.head].copy_(region[:layout.shard])
     full[layout.head:].copy_(region[layout.shard:])
@@ -93,6 +92,9 @@ def load_state_dict(engine, sd: dict) -> None:
         for n in names:
             shard.state[n].zero_()
         shard.init_master_from_params()
+        pieces_of = {}
+        for piece in shard.layout.pieces(engine.rank):
+            pieces_of.setdefault(piece.local, []).append(piece)
         for local, pid in enumerate(shard.layout.pids):
             p = engine.params[pid]
             saved = sd["state"].get(index_of[id(p)], {})
@@ -105,10 +107,9 @@ def load_state_dict(engine, sd: dict) -> None:
                     raise ValueError(f"state {name!r} of a parameter of shape {tuple(p.shape)} has shape "
                                      f"{tuple(value.shape)}")
                 flat = value.detach().reshape(-1).to(shard.state[name])
-                for piece in shard.layout.pieces(engine.rank):
-                    if piece.local == local:
-                        shard.state[name][piece.region_off:piece.region_off + piece.length].copy_(
-                            flat[piece.elem:piece.elem + piece.length])
+                for piece in pieces_of.get(local, ()):
+                    shard.state[name][piece.region_off:piece.region_off + piece.length].copy_(
+                        flat[piece.elem:piece.elem + piece.length])
 
 
 def _saved_step(engine, saved: dict) -> float:

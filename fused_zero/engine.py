@@ -1,11 +1,11 @@
 """The machinery behind the optimizer classes: bucket shards, the reduce -> update -> gather pipeline
 driven by DDP's comm hook, resharding when DDP rebuilds its buckets, and the forward waits.
 
-One iteration (see ``Engine.on_bucket``): DDP hands every reduced-gradient bucket to the comm hook in
-bucket order; the hook reduces it (reduce-scatter of the head plus an all-reduce of the small tail, or
-one all-reduce), and the future's callback runs the fused update on this rank's region and starts the
-all-gather of the updated slices into the flat parameter buffer. Forward pre-hooks wait for a bucket's
-gather just before the first module owning one of its parameters runs.
+One iteration (see ``Engine.on_bucket``): DDP hands every bucket of gradients to the comm hook in
+bucket order; the hook starts its reduction (reduce-scatter of the head plus an all-reduce of the small
+tail, or one all-reduce), and, when the overlap mode says so, waits for it, runs the fused update on
+this rank's region and starts the all-gather of the updated slices into the flat parameter buffer.
+``step()`` ends the iteration; the all-gathers are waited for there or by the forward pre-hooks.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import Algorithm, UpdateArgs, clip_coefficient
+from .collectives import all_gather, reduce_scatter
 from .kernels import Segments
 from .layout import BucketLayout, reshard_plan
 from .profiling import range_push
 from .shard import BucketShard
-
-# torch 2.13 renamed the flat-tensor collectives; older releases (2.4-2.12) have only the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
@@ -51,20 +48,31 @@ class _Iteration:
     Attributes:
         hparams: param groups' hyperparameters, read at the iteration's first bucket.
         coefs: the per-parameter coefficient table of this iteration (every parameter active), on the
-            host and on the device; built once, shared by every bucket's launch.
+            update's device; built once, shared by every bucket's launch.
         invoked: buckets handed to the hook.
         last_invoked: the hook has seen DDP's last bucket.
         ready: buckets whose reduction was started but which are not updated yet.
     """
 
     hparams: list[dict] | None = None
-    coefs: tuple[torch.Tensor, torch.Tensor] | None = None
+    coefs: torch.Tensor | None = None
     invoked: int = 0
     last_invoked: bool = False
     ready: list[_Reduced] = field(default_factory=list)
 
 
 class Engine:
+    """Everything one fused_zero optimizer does, behind the torch.optim interface (see optimizer.py).
+
+    Attributes (the main ones):
+        params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
+        steps: each parameter's step count, on the host (replicated on every rank).
+        where: parameter index -> (the BucketShard holding its state, its index in that bucket).
+        by_index: DDP bucket index -> BucketShard.
+        iteration: this iteration's progress (_Iteration).
+        stream: the side stream the updates run on (CUDA), else None.
+    """
+
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, *,
                  grad_reduce: str = "reduce_scatter", overlap: str = "bucket", master_weights: bool | None = None,
                  max_grad_norm: float | None = None, param_sync: str = "step", backend: str = "auto"):
@@ -118,8 +126,9 @@ class Engine:
         """State for one bucket holding every parameter in registration order: what DDP hands the
         hook in its first iteration. Any other bucket reshards from it when it arrives."""
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for pid, p in enumerate(self.params):
-            by_dtype.setdefault(p.dtype, []).append(pid)
+        for p in self.ddp.module.parameters():  # registration order, as DDP's first bucket
+            if p in self.pid_of:
+                by_dtype.setdefault(p.dtype, []).append(self.pid_of[p])
         for index, pids in enumerate(by_dtype.values()):
             numels = [self.params[i].numel() for i in pids]
             offsets = np.concatenate([[0], np.cumsum(numels)[:-1]]).tolist()
@@ -201,10 +210,8 @@ class Engine:
             dtype = shard.param_buffer.dtype
             one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
             state = {name: one() for name in shard.state}
-            coefs = self.algo.coefficients([{k: v for k, v in g.items() if k != "params"}
-                                            for g in self.opt.param_groups],
-                                           np.zeros(1, dtype=np.int64), np.ones(1), np.zeros(1, dtype=bool), 1.0)
-            coefs = coefs.to(self.device)
+            coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
+                                           np.zeros(1, dtype=bool), 1.0).to(self.device)
             rows = [(0, 1, 0, 0, 0)]
             segments = Segments.build(rows, self.device)
             clip = one() if self.max_grad_norm is not None else None
@@ -304,6 +311,10 @@ class Engine:
             return np.ones(len(pids), dtype=bool)
         if self.used_static is not None:
             return self.used_static[pids]
+        return self._used_on_any_rank(pids)
+
+    def _used_on_any_rank(self, pids: np.ndarray) -> np.ndarray:
+        """All-reduce the local "got a gradient" flags of ``pids`` (a host sync on CUDA)."""
         flags = torch.from_numpy(self.used_local[pids].astype(np.int32)).to(self.device)
         if self.world > 1:
             dist.all_reduce(flags, group=self.group)
@@ -332,7 +343,7 @@ class Engine:
                 region[layout.shard:].copy_(buffer[layout.head:])
                 works.append(dist.all_reduce(region[layout.shard:], group=g, async_op=True))
             if layout.shard:
-                works.append(_reduce_scatter(region[:layout.shard], buffer[:layout.head],
+                works.append(reduce_scatter(region[:layout.shard], buffer[:layout.head],
                                              group=g, async_op=True))
         return works
 
@@ -407,7 +418,7 @@ class Engine:
             return
         lo, hi = layout.slice_of(self.rank)
         with range_push("fused_zero.all_gather"):
-            shard.gather = _all_gather(
+            shard.gather = all_gather(
                 shard.param_buffer[:layout.head], shard.param_buffer[lo:hi], group=self.group,
                 async_op=True)
 
@@ -425,21 +436,15 @@ class Engine:
             it.hparams, it.coefs = self._read_hparams(), None
         self._finish(it, len(it.ready), self.max_grad_norm)
         if self.track_used and self.used_static is None and getattr(self.ddp, "static_graph", False):
-            self.used_static = self._global_used()
+            self.used_static = self._used_on_any_rank(np.arange(len(self.params)))
         self.used_local[:] = False
         self.iteration = _Iteration()
         if self.param_sync == "step":
             self.synchronize()
 
-    def _global_used(self) -> np.ndarray:
-        flags = torch.from_numpy(self.used_local.astype(np.int32)).to(self.device)
-        if self.world > 1:
-            dist.all_reduce(flags, group=self.group)
-        return flags.cpu().numpy() > 0
-
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""
-        for shard, _ in self.where.values():
+        for shard in self.shards():
             shard.wait_gather()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)

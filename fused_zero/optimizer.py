@@ -56,8 +56,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """End the iteration: with overlap="step" run every bucket's update; otherwise the updates
-        already ran during backward. Does not wait for the all-gathers (see ``synchronize``)."""
+        """End the iteration: with overlap="step" run every bucket's update (the others ran them during
+        backward); with param_sync="step" return once the parameters hold their new values."""
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise RuntimeError("torch.amp.GradScaler is not supported yet: the loss scale must be known "
                                "before the updates that run during backward. Train in bf16 (no loss "
@@ -70,8 +70,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def synchronize(self) -> None:
-        """Wait until every parameter holds its updated value (forward passes wait by themselves;
-        call this before reading parameters elsewhere, e.g. to evaluate or save the model)."""
+        """Wait until every parameter holds its updated value. Needed only with param_sync="forward",
+        before reading parameters outside the modules' forward passes."""
         self._engine.synchronize()
 
     def memory(self) -> dict[str, int]:
