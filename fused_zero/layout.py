@@ -4,14 +4,18 @@ DDP packs a bucket's gradients back to back in one buffer of ``numel`` elements,
 fused_zero cuts it without padding too:
 
     [ rank 0 | rank 1 | ... | rank W-1 | tail ]
-      shard     shard          shard      numel - W * shard elements (< W * ALIGN)
+      shard     shard          shard      numel - W * shard elements (< W * align)
 
-``shard`` is the largest multiple of ``ALIGN`` with ``W * shard <= numel``, so every rank's slice
-starts ``ALIGN``-aligned, the head reduces with one ``reduce_scatter`` straight out of DDP's buffer
+``shard`` is the largest multiple of ``align`` with ``W * shard <= numel``, so every rank's slice
+starts ``align``-aligned, the head reduces with one ``reduce_scatter`` straight out of DDP's buffer
 (no padded staging copy) and the updated head comes back with one in-place ``all_gather``. The few
 tail elements are all-reduced and updated redundantly by every rank, which keeps their optimizer
 state replicated; that costs less than a padded copy of the whole bucket, and the state a rank holds
-for a bucket is ``shard + tail`` elements: exactly 1/W of the bucket plus under ``W * ALIGN``.
+for a bucket is ``shard + tail`` elements: exactly 1/W of the bucket plus under ``W * align``.
+
+``align`` is ``ALIGN`` unless that would make the tail (up to ``W * align``) more than an eighth of a
+rank's slice (``numel / W``): at 1024 ranks a 25 MB bucket gives each rank only 12k elements, and a
+32-element alignment would replicate up to 32k. It halves down to 1 until ``8 * W * align <= numel / W``.
 
 A rank's *region* (its optimizer state for one bucket) is its slice followed by the tail:
 ``region[j]`` is bucket element ``rank * shard + j`` for ``j < shard`` and ``W * shard + j - shard``
@@ -23,10 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALIGN = 32
-"""Slice starts are multiples of 32 elements: 64 bytes of bf16, 128 bytes of fp32."""
+"""Slice starts are multiples of 32 elements (64 bytes of bf16, 128 bytes of fp32) where the bucket is
+large enough for the world size (see ``alignment``)."""
 
 REPLICATED = -1
 """Owner of tail elements: every rank holds and updates them."""
+
+
+def alignment(numel: int, world_size: int) -> int:
+    """The slice alignment for a bucket: ALIGN, halved while the tail could exceed 1/8 of a slice."""
+    align = ALIGN
+    while align > 1 and 8 * world_size * align * world_size > numel:
+        align //= 2
+    return align
 
 
 @dataclass(frozen=True)
@@ -58,7 +71,7 @@ class BucketLayout:
         offsets: element offset of each parameter in the bucket buffer.
         numel: elements in the bucket buffer.
         world_size, rank: the process group's.
-        shard: elements of each rank's slice (multiple of ALIGN, maybe 0).
+        shard: elements of each rank's slice (a multiple of ``alignment(numel, world_size)``, maybe 0).
     """
 
     pids: tuple[int, ...]
@@ -83,7 +96,8 @@ class BucketLayout:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         numel = end
-        shard = numel // (world_size * ALIGN) * ALIGN
+        align = alignment(numel, world_size)
+        shard = numel // (world_size * align) * align
         return BucketLayout(pids, numels, offsets, numel, world_size, rank, shard)
 
     @property

@@ -78,7 +78,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
 
         ``state``: master weights, moments and the reduced-gradient region (1/W of the model plus
-        under W*32 tail elements per bucket); ``reference_state``: torch.optim's fp32 state for the
+        a small replicated tail per bucket, see layout.py); ``reference_state``: torch.optim's fp32 state for the
         same parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """
         shards = self._engine.shards()

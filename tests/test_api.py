@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.layout import ALIGN
+from fused_zero.layout import alignment
 
 
 def _ddp(**kw):
@@ -120,7 +120,8 @@ def memory_and_plumbing(rank, world):
         sched.step()
     opt.synchronize()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    shard = numel // (world * ALIGN) * ALIGN
+    align = alignment(numel, world)
+    shard = numel // (world * align) * align
     region = shard + numel - world * shard
     mem = opt.memory()
     return {
@@ -128,7 +129,7 @@ def memory_and_plumbing(rank, world):
         "frozen_untouched": torch.equal(model.never.weight, frozen_before),
         "state": mem["state"], "expected_state": region * (2 * 4 + 4),  # exp_avg, exp_avg_sq, fp32 grad region
         "reference": mem["reference_state"], "expected_reference": numel * 8,
-        "region": mem["region_elements"], "numel": numel,
+        "region": mem["region_elements"], "numel": numel, "align": align,
     }
 
 
@@ -139,7 +140,7 @@ def test_memory_is_one_over_world_plus_tail(world):
         assert r["frozen_untouched"]
         assert r["state"] == r["expected_state"]
         assert r["reference"] == r["expected_reference"]
-        assert r["region"] - r["numel"] / world < world * ALIGN
+        assert r["region"] - r["numel"] / world < world * r["align"]
 
 
 

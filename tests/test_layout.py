@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fused_zero.layout import ALIGN, REPLICATED, BucketLayout, reshard_plan
+from fused_zero.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan
 
 
 def layout(numels, world, rank=0, order=None):
@@ -21,15 +21,28 @@ def layout(numels, world, rank=0, order=None):
 def test_head_tail_and_regions():
     lay = layout([7, 1000, 4099], world=3, rank=1)
     assert lay.numel == 5106
-    assert lay.shard == 5106 // (3 * ALIGN) * ALIGN == 1696
+    align = alignment(5106, 3)
+    assert align == ALIGN  # 8 * 3 * 32 * 3 <= 5106
+    assert lay.shard == 5106 // (3 * align) * align == 1696
     assert (lay.head, lay.tail, lay.region_size) == (5088, 18, 1714)
-    assert lay.shard % ALIGN == 0 and lay.tail < 3 * ALIGN
+    assert lay.shard % align == 0 and lay.tail < 3 * align
+
+
+@pytest.mark.parametrize("numel,world,align", [
+    (12_500_000, 8, 32), (12_500_000, 256, 16), (12_500_000, 1024, 1), (100, 2, 2), (5, 4, 1),
+    (5106, 3, 32)])
+def test_alignment_keeps_the_tail_under_an_eighth_of_a_slice(numel, world, align):
+    assert alignment(numel, world) == align
+    lay = BucketLayout.build([0], [numel], [0], world, 0)
+    assert lay.tail < world * align
+    if align < ALIGN:
+        assert 8 * world * align * world <= numel or align == 1
 
 
 def test_tiny_bucket_is_all_tail():
-    lay = layout([3, 5], world=4)
-    assert lay.shard == 0 and lay.tail == 8 and lay.region_size == 8
-    assert [(p.local, p.length, p.region_off) for p in lay.pieces(2)] == [(0, 3, 0), (1, 5, 3)]
+    lay = layout([1, 2], world=4)  # fewer elements than ranks
+    assert lay.shard == 0 and lay.tail == 3 and lay.region_size == 3
+    assert [(p.local, p.length, p.region_off) for p in lay.pieces(2)] == [(0, 1, 0), (1, 2, 1)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -93,10 +106,10 @@ def test_reshard_plan_moves_every_value_to_its_new_place(numels, world, split, s
 
 
 def test_tail_transfers_come_from_the_receiver_itself():
-    old = layout([5], world=2)  # all tail: replicated
-    new = BucketLayout.build([0], [5], [0], 2, 0)
+    old = layout([3], world=4)  # all tail: replicated
+    new = BucketLayout.build([0], [3], [0], 4, 0)
     assert all(t.src == t.dst for t in reshard_plan(new, {0: (old, 0)}))
-    assert old.owners(0) == [(0, 5, REPLICATED, 0)]
+    assert old.owners(0) == [(0, 3, REPLICATED, 0)]
 
 
 @pytest.mark.parametrize("bad,match", [
