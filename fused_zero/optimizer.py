@@ -30,6 +30,19 @@ from .engine import Engine
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 
 
+class _ShardedState(dict):
+    """Stands in for torch.optim's ``state`` dict, which fused_zero does not keep: each rank holds only
+    its slices. Reading it raises instead of returning nothing, so code that inspects it (or a
+    checkpoint helper that walks it) fails loudly rather than saving an empty state."""
+
+    def __getitem__(self, key):
+        raise RuntimeError("fused_zero keeps the optimizer state sharded across ranks; opt.state_dict() "
+                           "(call it on every rank) returns it in torch.optim's per-parameter form")
+
+    def get(self, key, default=None):
+        return self[key]
+
+
 class _ShardedOptimizer(torch.optim.Optimizer):
     """Shared plumbing: validates torch-only flags, builds the Engine, forwards step()."""
 
@@ -46,6 +59,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
         self._engine = Engine(self, ddp, algorithm, **options)
+        self.state = _ShardedState()
         self._started = True
 
     def add_param_group(self, param_group: dict) -> None:

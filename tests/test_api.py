@@ -90,6 +90,7 @@ def step_misuse(rank, world):
     out.append(_expect(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
                        RuntimeError, "add_param_group"))
 
+    out.append(_expect(lambda: opt.state[next(iter(model.parameters()))], RuntimeError, "state_dict"))
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(ddp(x, use_branch=True).sum()).backward()
     out.append(_expect(lambda: scaler.step(opt), RuntimeError, "GradScaler is not supported"))
@@ -104,7 +105,7 @@ def step_misuse(rank, world):
 
 def test_step_misuse_is_a_clear_error():
     results = run_ranks(step_misuse, 2)
-    assert results[0] == results[1] and len(results[0]) == 6
+    assert results[0] == results[1] and len(results[0]) == 7
 
 
 def memory_and_plumbing(rank, world):
