@@ -26,6 +26,43 @@ def load_row(rows_ptr, row):
 
 
 @triton.jit
+def open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """This program's row: its coefficient-row pointer, element mask and shard/param/grad offsets.
+
+    An inactive parameter (coefficient 0 is zero), or a found inf, shrinks the row to nothing: no
+    element is read or written.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
+    c = coef_ptr + pid * N_COEF
+    n = tl.where(tl.load(c) != 0, n, 0)
+    if HAS_FOUND_INF:
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    idx = tl.arange(0, BLOCK)
+    return c, idx < n, shard_off + idx, param_off + idx, grad_off + idx
+
+
+@triton.jit
+def load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER: tl.constexpr):
+    """The fp32 weight the update works on: the master copy, or the parameter itself."""
+    if HAS_MASTER:
+        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + p_offs, mask=mask, other=0.0).to(tl.float32)
+    return p
+
+
+@triton.jit
+def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, HAS_MASTER: tl.constexpr,
+                 PARAM_BF16: tl.constexpr):
+    """Write the updated weight: to the master copy if there is one, and to the parameter."""
+    if HAS_MASTER:
+        tl.store(master_ptr + s_offs, p, mask=mask)
+    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+
+
+@triton.jit
 def load_grad(grad_ptr, offs, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
               HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, MAXIMIZE: tl.constexpr):
     """The gradient as the optimizer sees it: averaged, unscaled, clipped, negated for maximize.
@@ -96,5 +133,5 @@ def grid(segments: Segments) -> tuple[int]:
     return (segments.n_rows,)
 
 
-__all__ = ["BLOCK", "NUM_WARPS", "FLOAT_DTYPES", "load_row", "load_grad", "store_param",
-           "check_flat", "check_scalar", "check_coefs", "grid"]
+__all__ = ["BLOCK", "NUM_WARPS", "FLOAT_DTYPES", "load_row", "open_row", "load_weight", "store_weight",
+           "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs", "grid"]

@@ -35,8 +35,9 @@ from ._common import (
     check_scalar,
     grid,
     load_grad,
-    load_row,
-    store_param,
+    load_weight,
+    open_row,
+    store_weight,
 )
 from .segments import Segments
 
@@ -68,10 +69,7 @@ def _adam_kernel(
     PARAM_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
-    c = coef_ptr + pid * N_COEF
-    active = tl.load(c + 0)
+    c, mask, s_offs, p_offs, g_offs = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, BLOCK)
     grad_div = tl.load(c + 1)
     decay_mul = tl.load(c + 2)
     l2 = tl.load(c + 3)
@@ -82,21 +80,9 @@ def _adam_kernel(
     eps = tl.load(c + 8)
     neg_step_size = tl.load(c + 9)
 
-    # an inactive parameter, or a found inf, shrinks the row to nothing: no element is read or written
-    n = tl.where(active != 0, n, 0)
-    if HAS_FOUND_INF:
-        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
-    idx = tl.arange(0, BLOCK)
-    mask = idx < n
-    s_offs = shard_off + idx
-    p_offs = param_off + idx
-
-    g = load_grad(grad_ptr, grad_off + idx, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
+    g = load_grad(grad_ptr, g_offs, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
                   HAS_GRAD_SCALE, HAS_CLIP, MAXIMIZE)
-    if HAS_MASTER:
-        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
-    else:
-        p = tl.load(param_ptr + p_offs, mask=mask, other=0.0).to(tl.float32)
+    p = load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER)
     m = tl.load(exp_avg_ptr + s_offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + s_offs, mask=mask, other=0.0)
 
@@ -116,9 +102,7 @@ def _adam_kernel(
 
     tl.store(exp_avg_ptr + s_offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + s_offs, v, mask=mask)
-    if HAS_MASTER:
-        tl.store(master_ptr + s_offs, p, mask=mask)
-    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, HAS_MASTER, PARAM_BF16)
 
 
 def adam_coefficients(*, lr, beta1, beta2, eps, weight_decay, step, decoupled: bool,

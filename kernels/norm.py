@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BLOCK, NUM_WARPS, check_flat, check_scalar, grid, load_row
+from ._common import BLOCK, NUM_WARPS, check_flat, check_scalar, grid, open_row
 from .segments import Segments
 
 
@@ -28,17 +28,14 @@ def _grad_sumsq_kernel(
     HAS_GRAD_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    _, n, _, grad_off, pid = load_row(rows_ptr, row)
-    active = tl.load(coef_ptr + pid * N_COEF)
-    grad_div = tl.load(coef_ptr + pid * N_COEF + 1)
-    idx = tl.arange(0, BLOCK)
-    mask = idx < tl.where(active != 0, n, 0)
-    g = tl.load(grad_ptr + grad_off + idx, mask=mask, other=0.0).to(tl.float32)
+    c, mask, _, _, g_offs = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, BLOCK)
+    grad_div = tl.load(c + 1)
+    g = tl.load(grad_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.div_rn(g, grad_div)
     if HAS_GRAD_SCALE:
         g = tl.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
     finite = (g == g) & (tl.abs(g) != float("inf"))
+    row = tl.program_id(0).to(tl.int64)
     tl.store(out_ptr + row * 2, tl.sum(tl.where(finite, g * g, 0.0), axis=0))
     tl.store(out_ptr + row * 2 + 1, tl.sum(tl.where(mask & ~finite, 1.0, 0.0), axis=0))
 

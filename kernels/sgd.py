@@ -27,8 +27,9 @@ from ._common import (
     check_scalar,
     grid,
     load_grad,
-    load_row,
-    store_param,
+    load_weight,
+    open_row,
+    store_weight,
 )
 from .segments import Segments
 
@@ -58,10 +59,7 @@ def _sgd_kernel(
     PARAM_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
-    c = coef_ptr + pid * N_COEF
-    active = tl.load(c + 0)
+    c, mask, s_offs, p_offs, g_offs = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, BLOCK)
     grad_div = tl.load(c + 1)
     weight_decay = tl.load(c + 2)
     momentum = tl.load(c + 3)
@@ -69,21 +67,9 @@ def _sgd_kernel(
     neg_lr = tl.load(c + 5)
     first = tl.load(c + 6)
 
-    # an inactive parameter, or a found inf, shrinks the row to nothing: no element is read or written
-    n = tl.where(active != 0, n, 0)
-    if HAS_FOUND_INF:
-        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
-    idx = tl.arange(0, BLOCK)
-    mask = idx < n
-    s_offs = shard_off + idx
-    p_offs = param_off + idx
-
-    g = load_grad(grad_ptr, grad_off + idx, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
+    g = load_grad(grad_ptr, g_offs, mask, grad_div, grad_scale_ptr, clip_coef_ptr,
                   HAS_GRAD_SCALE, HAS_CLIP, MAXIMIZE)
-    if HAS_MASTER:
-        p = tl.load(master_ptr + s_offs, mask=mask, other=0.0)
-    else:
-        p = tl.load(param_ptr + p_offs, mask=mask, other=0.0).to(tl.float32)
+    p = load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER)
 
     g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
     if HAS_MOMENTUM:
@@ -95,10 +81,7 @@ def _sgd_kernel(
         else:
             g = buf
     p = p + neg_lr * g
-
-    if HAS_MASTER:
-        tl.store(master_ptr + s_offs, p, mask=mask)
-    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, HAS_MASTER, PARAM_BF16)
 
 
 def sgd_coefficients(*, lr, momentum, dampening, weight_decay, first,
