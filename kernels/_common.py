@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -9,6 +11,8 @@ import triton.language as tl
 from .segments import BLOCK, Segments
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# triton.jit decides between compiling and interpreting when the kernels are defined, at import
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NUM_WARPS = 8
 
 
@@ -119,6 +123,9 @@ def check_scalar(name: str, t: torch.Tensor | None, device: torch.device) -> Non
 
 
 def check_coefs(coefs: torch.Tensor, n_coef: int, segments: Segments, device: torch.device) -> None:
+    if device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the Triton kernels run on CPU tensors only through Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before fused_zero.kernels is first imported")
     if not isinstance(coefs, torch.Tensor) or coefs.dtype != torch.float32 or coefs.dim() != 2 \
             or coefs.shape[1] != n_coef or not coefs.is_contiguous():
         got = (coefs.dtype, tuple(coefs.shape)) if isinstance(coefs, torch.Tensor) else type(coefs)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BLOCK, NUM_WARPS, check_flat, check_scalar, grid, open_row
+from ._common import BLOCK, NUM_WARPS, check_coefs, check_flat, check_scalar, grid, open_row
 from .segments import Segments
 
 
@@ -58,6 +58,7 @@ def grad_sumsq(
     check_scalar("grad_scale", grad_scale, device)
     if coefs.dtype != torch.float32 or coefs.dim() != 2 or coefs.shape[1] < 2 or coefs.device != device:
         raise ValueError("coefs must be a float32 [n_params, n_coef] table on the gradient's device")
+    check_coefs(coefs, coefs.shape[1], segments, device)
     segments.check(shard=segments.shard_extent, param=segments.param_extent, grad=grad.numel(),
                    coefs=coefs.shape[0])
     out = torch.zeros(max(segments.n_rows, 1), 2, dtype=torch.float32, device=device)

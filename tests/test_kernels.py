@@ -372,3 +372,18 @@ def test_bad_tables_raise_clearly():
     with pytest.raises(ValueError, match="nesterov"):
         sgd_step(Segments.build([(0, 8, 0, 0, 0)]), sgd_coefficients(lr=1, momentum=0, dampening=0,
                  weight_decay=0, first=True), grad=torch.zeros(8), param=torch.zeros(8), nesterov=True)
+
+
+def test_cpu_tensors_without_the_interpreter_raise_clearly():
+    import subprocess
+    import sys
+    code = ("import torch; from fused_zero.kernels import Segments, adam_coefficients, adam_step\n"
+            "c = adam_coefficients(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, "
+            "decoupled=True)\n"
+            "z = torch.zeros(8)\n"
+            "adam_step(Segments.build([(0, 8, 0, 0, 0)]), c, grad=z, param=z.clone(), exp_avg=z.clone(), "
+            "exp_avg_sq=z.clone())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd="/")
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
