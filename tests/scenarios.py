@@ -8,8 +8,9 @@ of every rank with the reference, and every rank's parameters with rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -106,8 +107,6 @@ def build(case: Case, rank: int):
     else:  # mixed precision: torch.optim on fp32 master copies
         ref_params = list(ref_model.parameters())
         masters = [p.detach().float().requires_grad_(True) for p in ref_params]
-        fake = nn.Module()
-        fake.p = nn.ParameterList(masters)
         groups = param_groups(ref_model, case)
         index = {id(p): i for i, p in enumerate(ref_params)}
         for g in groups:
@@ -150,7 +149,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                     d.require_backward_grad_sync = last
                     loss_of(d, case, step, micro, rank).backward()
                 else:
-                    ctx = d.no_sync() if not last else _null()
+                    ctx = d.no_sync() if not last else contextlib.nullcontext()
                     with ctx:
                         loss_of(d, case, step, micro, rank).backward()
             if which == 0:
@@ -164,14 +163,6 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         _check_ranks_agree(model, step)
     opt._engine.close()
     return {"worst": worst, "layout_changes": opt._engine.layout_changes}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _reference_step(ref_model, ref_opt, masters, case):
@@ -226,4 +217,4 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> list[tuple[str, dict]
     return [(c.name(), run_case(c, rank, world)) for c in cases]
 
 
-__all__ = ["Case", "replace", "run_cases", "run_case", "OddNet"]
+__all__ = ["Case", "OddNet", "run_case", "run_cases"]
