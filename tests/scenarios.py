@@ -41,8 +41,8 @@ class OddNet(nn.Module):
     def forward(self, x, use_branch: bool = False):
         h = self.emb(x)
         h = h + self.l2(torch.tanh(self.norm(self.l1(h))))
-        if use_branch:
-            h = h + self.branch(h)
+        if use_branch:  # the branch may be kept in fp32 in a bf16 model (its own DDP bucket dtype)
+            h = h + self.branch(h.to(self.branch.weight.dtype)).to(h.dtype)
         return self.head(h)
 
 
@@ -64,12 +64,13 @@ class Case:
     max_grad_norm: float | None = None
     backend: str = "torch"
     param_sync: str = "step"  # "forward": only the forward pre-hooks wait for the all-gathers
+    fp32_branch: bool = False  # mixed dtypes: keep the branch in fp32 in a bf16 model
 
     def name(self) -> str:
         return (f"{self.opt}{self.kwargs or ''}-{self.overlap}-{self.grad_reduce}-cap{self.bucket_cap_mb}-"
                 f"g{self.groups}-{str(self.dtype)[6:]}-{self.graph}-view{int(self.as_view)}-acc{self.accumulate}"
                 f"{'-nanogpt' if self.nanogpt_accumulate else ''}-clip{self.max_grad_norm}-{self.backend}"
-                f"-sync{self.param_sync}")
+                f"-sync{self.param_sync}{'-fp32branch' if self.fp32_branch else ''}")
 
 
 DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
@@ -93,6 +94,9 @@ def build(case: Case, rank: int):
     if case.graph == "plain":  # DDP without find_unused needs every trainable parameter used: freeze it
         for m in (model, ref_model):
             m.never.requires_grad_(False)
+    if case.fp32_branch:
+        for m in (model, ref_model):
+            m.branch.float()
     ddp_kw = dict(bucket_cap_mb=case.bucket_cap_mb, gradient_as_bucket_view=case.as_view,
                   static_graph=case.graph == "static", find_unused_parameters=case.graph == "find_unused")
     ddp = DDP(model, **ddp_kw)

@@ -71,6 +71,14 @@ def test_clipping_in_step_mode():
     check(run_ranks(run_cases, 2, cases))
 
 
+def test_mixed_dtypes():
+    """A bf16 model with an fp32 layer: DDP buckets by dtype, master weights only for the bf16 ones."""
+    cases = [Case(dtype=torch.bfloat16, fp32_branch=True, overlap=o, grad_reduce=r, bucket_cap_mb=b)
+             for (o, r), b in zip(MODES[::2], (TINY, DEFAULT, ONE))]
+    cases.append(Case(dtype=torch.bfloat16, fp32_branch=True, graph="find_unused", bucket_cap_mb=TINY))
+    check(run_ranks(run_cases, 2, cases))
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_other_world_sizes(world):
     cases = [Case(overlap=o, grad_reduce=r, bucket_cap_mb=b, groups=2, steps=30)
