@@ -42,13 +42,13 @@ Nothing here is asserted about time or values: correctness is tested in tests/.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 
 import numpy as np
 import pytest
 import torch
-
 from fused_zero.kernels import Segments, adam_coefficients, adam_step, sgd_coefficients, sgd_step
 
 CUDA = torch.cuda.is_available()
@@ -91,7 +91,7 @@ def size_label(n: int) -> str:
 def param_spans(n: int) -> list[tuple[int, int]]:
     """``N_PARAMS`` back-to-back parameters covering the slice, as (start, end)."""
     bounds = [n * i // N_PARAMS for i in range(N_PARAMS + 1)]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def make_buffers(n: int, config: str, state: tuple[str, ...]) -> dict[str, torch.Tensor]:
