@@ -96,11 +96,9 @@ Run (bench/ is not part of the default ``pytest`` run, whose testpaths are tests
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -109,7 +107,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fused_zero import spawn
 
 CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if CUDA else 0
@@ -121,7 +120,7 @@ ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 20 if CUDA else 10))
 ROUNDS = 2
 REWARM = 1  # warm-up iterations of every block after the first round's
 SPAWN_TIMEOUT = float(os.environ.get("FUSED_ZERO_BENCH_TIMEOUT", 300))
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+COLLECTIVE_TIMEOUT = 120.0
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
@@ -427,60 +426,9 @@ def _rank_main(rank: int, world: int, scenarios: list[dict]) -> list[dict]:
     return [_run_scenario(rank, world, sc, corpus, tok.vocab_size, device) for sc in scenarios]
 
 
-# ------------------------------------------------------------------ spawning (after tests/distributed.py)
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, backend, fn, args, results):
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(1)  # the ranks share the cores: more threads only contend
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT) -> list:
-    """Every rank's return value; AssertionError with the failing ranks' tracebacks, or on timeout."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, BACKEND, fn, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    outs, errors = {}, []
-    deadline = time.monotonic() + timeout
-    try:
-        for _ in range(world):
-            rank, status, payload = results.get(timeout=max(deadline - time.monotonic(), 1.0))
-            if status == "ok":
-                outs[rank] = payload
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break  # the others may now hang in a collective: stop waiting for them
-    except Exception as e:  # queue.Empty: a rank hung
-        errors.append(f"ranks timed out after {timeout}s ({type(e).__name__}); finished: {sorted(outs)}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [outs[r] for r in range(world)]
+def run_ranks(fn, world: int, *args):
+    return spawn.run_ranks(fn, world, *args, timeout=SPAWN_TIMEOUT, backend=BACKEND,
+                           collective_timeout=COLLECTIVE_TIMEOUT)
 
 
 # ------------------------------------------------------------------ parent: cache, pytest-benchmark

@@ -9,21 +9,19 @@ iteration and optimizer-state bytes per rank; the exit status is non-zero if par
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 
 from .demo_model import GPT, CharTokenizer, GPTConfig, batches, load_corpus
+from .spawn import RanksFailed, run_ranks
 
 
 @dataclass
@@ -71,62 +69,53 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _train(rank: int, cfg: DemoConfig, port: int, results) -> None:
+def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
+    """One rank of the demo (spawn.run_ranks has set up the process group); rank 0 returns the report."""
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # the ranks share the cores
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=cfg.world_size, timeout=datetime.timedelta(seconds=120))
-    try:
-        text = load_corpus()
-        tok = CharTokenizer(text)
-        data = tok.encode(text)
-        ref_model, ref_ddp = _make(cfg, tok.vocab_size, device)
-        model, ddp = _make(cfg, tok.vocab_size, device)
-        ref_opt = getattr(torch.optim, cfg.optimizer)(_groups(ref_model, cfg))
-        opt = getattr(fused_zero, cfg.optimizer)(_groups(model, cfg), ddp=ddp, overlap=cfg.overlap,
-                                                  grad_reduce=cfg.grad_reduce, backend=cfg.backend,
-                                                  master_weights=False)
-        stream = batches(data, batch_size=cfg.batch_size, block_size=cfg.block_size, rank=rank,
-                         world_size=cfg.world_size, seed=cfg.seed)
-        prof = _profiler(cfg, rank)
-        times = {"torch.optim": 0.0, "fused_zero": 0.0}
-        worst, log = 0.0, []
-        with prof if prof is not None else contextlib.nullcontext():
-            for step in range(1, cfg.steps + 1):
-                x, y = (t.to(device) for t in next(stream))
-                losses = []
-                for name, d, o in (("torch.optim", ref_ddp, ref_opt), ("fused_zero", ddp, opt)):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    _, loss = d(x, y)
-                    loss.backward()
-                    o.step()
-                    o.zero_grad(set_to_none=True)
-                    _sync(device)
-                    if step > 1:  # the first step compiles and rebuilds buckets
-                        times[name] += time.perf_counter() - t0
-                    losses.append(loss.detach())
-                opt.synchronize()
-                diff = max(float((p.detach().float() - q.detach().float()).abs().max())
-                           for p, q in zip(model.parameters(), ref_model.parameters()))
-                stats = torch.tensor([diff, *(float(v) for v in losses)], device=device)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                worst = max(worst, float(stats[0]))
-                log.append((step, float(stats[1]), float(stats[2]), float(stats[0])))
-                if rank == 0:
-                    _progress(step, cfg.steps, float(stats[2]), worst)
-                if prof is not None:
-                    prof.step()
-        mem = opt.memory()
-        if rank == 0:
-            per_iter = {k: v / max(cfg.steps - 1, 1) for k, v in times.items()}
-            results.put({"log": log, "worst": worst, "per_iter": per_iter, "memory": mem})
-    finally:
-        dist.destroy_process_group()
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    data = tok.encode(text)
+    ref_model, ref_ddp = _make(cfg, tok.vocab_size, device)
+    model, ddp = _make(cfg, tok.vocab_size, device)
+    ref_opt = getattr(torch.optim, cfg.optimizer)(_groups(ref_model, cfg))
+    opt = getattr(fused_zero, cfg.optimizer)(_groups(model, cfg), ddp=ddp, overlap=cfg.overlap,
+                                              grad_reduce=cfg.grad_reduce, backend=cfg.backend,
+                                              master_weights=False)
+    stream = batches(data, batch_size=cfg.batch_size, block_size=cfg.block_size, rank=rank,
+                     world_size=world, seed=cfg.seed)
+    prof = _profiler(cfg, rank)
+    times = {"torch.optim": 0.0, "fused_zero": 0.0}
+    worst, log = 0.0, []
+    with prof if prof is not None else contextlib.nullcontext():
+        for step in range(1, cfg.steps + 1):
+            x, y = (t.to(device) for t in next(stream))
+            losses = []
+            for name, d, o in (("torch.optim", ref_ddp, ref_opt), ("fused_zero", ddp, opt)):
+                _sync(device)
+                t0 = time.perf_counter()
+                _, loss = d(x, y)
+                loss.backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+                _sync(device)
+                if step > 1:  # the first step compiles and rebuilds buckets
+                    times[name] += time.perf_counter() - t0
+                losses.append(loss.detach())
+            opt.synchronize()
+            diff = max(float((p.detach().float() - q.detach().float()).abs().max())
+                       for p, q in zip(model.parameters(), ref_model.parameters()))
+            stats = torch.tensor([diff, *(float(v) for v in losses)], device=device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            worst = max(worst, float(stats[0]))
+            log.append((step, float(stats[1]), float(stats[2]), float(stats[0])))
+            if rank == 0:
+                _progress(step, cfg.steps, float(stats[2]), worst)
+            if prof is not None:
+                prof.step()
+    if rank != 0:
+        return None
+    per_iter = {k: v / max(cfg.steps - 1, 1) for k, v in times.items()}
+    return {"log": log, "worst": worst, "per_iter": per_iter, "memory": opt.memory()}
 
 
 def _profiler(cfg: DemoConfig, rank: int):
@@ -151,44 +140,16 @@ def _progress(step: int, total: int, loss: float, worst: float) -> None:
           file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cfg: DemoConfig) -> int:
     """Spawn the ranks, print the report, return the exit status (0: parity held)."""
     if cfg.world_size < 1:
         raise ValueError("world size must be >= 1")
-    if torch.cuda.is_available() and cfg.world_size > torch.cuda.device_count():
-        raise ValueError(f"{cfg.world_size} ranks need {cfg.world_size} GPUs; "
-                         f"this machine has {torch.cuda.device_count()}")
     if cfg.profile_dir is not None:
         os.makedirs(cfg.profile_dir, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_train, args=(r, cfg, port, results)) for r in range(cfg.world_size)]
-    for p in procs:
-        p.start()
-    report = None
     try:
-        while report is None:
-            try:
-                report = results.get(timeout=5)
-            except Exception:  # queue.Empty: is anybody still alive?
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                if all(p.exitcode is not None for p in procs):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if report is None:
-        print("demo failed: a rank exited with an error (see above)", file=sys.stderr)
+        report = run_ranks(_train, cfg.world_size, cfg, timeout=1800.0)[0]
+    except RanksFailed as e:
+        print(f"demo failed:\n{e}", file=sys.stderr)
         return 2
     _print_report(cfg, report)
     return 0 if report["worst"] <= cfg.tolerance else 1
