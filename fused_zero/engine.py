@@ -306,7 +306,7 @@ class Engine:
 
     def _active(self, shard: BucketShard) -> np.ndarray:
         """Which of the bucket's parameters got a gradient on some rank (torch.optim skips the rest)."""
-        pids = np.asarray(shard.layout.pids)
+        pids = shard.pids
         if not self.track_used:
             return np.ones(len(pids), dtype=bool)
         if self.used_static is not None:
@@ -377,7 +377,7 @@ class Engine:
         if active.all():
             return it.coefs
         mask = np.ones(len(self.params))
-        mask[np.asarray(shard.layout.pids)] = active
+        mask[shard.pids] = active
         return self._to_device(self._coefficient_table(it.hparams, mask))
 
     def _to_device(self, table: torch.Tensor) -> torch.Tensor:
@@ -397,7 +397,7 @@ class Engine:
                 grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
                 self.algo.update(self.backend, shard.rows, shard.segments, table,
                                  UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
-            self.steps[np.asarray(shard.layout.pids)] += item.active
+            self.steps[shard.pids] += item.active
             shard.reduced_buffer = None
             self._start_gather(shard)
 

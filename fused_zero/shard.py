@@ -4,6 +4,7 @@ handle of the all-gather that brings the updated parameters back."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -14,7 +15,7 @@ from .layout import BucketLayout
 class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
-        params: the bucket's parameters, in bucket order.
+        params: the bucket's parameters, in bucket order; ``pids`` their optimizer indices (numpy).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
         state: region-shaped fp32 tensors, one per state name (and ``"master"`` with master weights).
@@ -32,6 +33,7 @@ class BucketShard:
                  build_segments: bool):
         self.layout = layout
         self.params = params
+        self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
         names = list(state_names) + (["master"] if master else [])
         self.state = {name: torch.zeros(layout.region_size, dtype=torch.float32, device=device)
