@@ -1,0 +1,108 @@
+"""The sharding options every fused_zero optimizer takes, checked once, at construction.
+
+Hyperparameters (``lr``, ``betas``, ...) live in ``param_groups`` as in torch.optim, so schedulers keep
+working; these options say how the optimizer is sharded and when it runs, and cannot change after
+construction.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+OVERLAPS = ("bucket", "backward", "step")
+GRAD_REDUCES = ("reduce_scatter", "all_reduce")
+BACKENDS = ("auto", "triton", "torch")
+PARAM_SYNCS = ("step", "forward")
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """Attributes:
+        grad_reduce: "reduce_scatter" (each rank receives only its slice: ZeRO-2 traffic) or
+            "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient).
+        overlap: when the updates run: "bucket" (each bucket as its reduction completes), "backward"
+            (every bucket once the last one is reduced) or "step" (in ``step()``).
+        master_weights: fp32 master copies of bf16/fp16 parameters; None means on for them.
+        max_grad_norm: global-norm clipping as ``clip_grad_norm_``; needs every gradient before any
+            update, so only overlap="step" allows it.
+        param_sync: "step" (``step()`` returns with every parameter updated) or "forward" (each
+            module's forward pre-hook waits for the buckets it reads).
+        backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
+    """
+
+    grad_reduce: str = "reduce_scatter"
+    overlap: str = "bucket"
+    master_weights: bool | None = None
+    max_grad_norm: float | None = None
+    param_sync: str = "step"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("overlap", self.overlap, OVERLAPS)
+        _check_choice("grad_reduce", self.grad_reduce, GRAD_REDUCES)
+        _check_choice("param_sync", self.param_sync, PARAM_SYNCS)
+        _check_choice("backend", self.backend, BACKENDS)
+        if self.max_grad_norm is not None:
+            if self.overlap != "step":
+                raise ValueError("max_grad_norm needs overlap='step': the global norm is known only once "
+                                 "every bucket is reduced, after the other modes have updated")
+            if not self.max_grad_norm > 0:
+                raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        if self.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before importing fused_zero, or use backend='torch'")
+        return self.backend
+
+    def keeps_master(self, dtype: torch.dtype) -> bool:
+        """Whether parameters of ``dtype`` get fp32 master weights."""
+        return dtype != torch.float32 and self.master_weights is not False
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray]:
+    """The parameters the optimizer updates (those requiring grad), each with its group index, checked
+    against the parameters DDP reduces: every one of them must be the optimizer's, and vice versa."""
+    ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
+    ignored = {id(p) for name, p in ddp.module.named_parameters()
+               if name in getattr(ddp, "parameters_to_ignore", ())}
+    ddp_params = [p for p in ddp_params if id(p) not in ignored]
+    ddp_ids = {id(p) for p in ddp_params}
+    params, group_of, seen = [], [], set()
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.is_sparse or getattr(p, "layout", torch.strided) != torch.strided:
+                raise ValueError(f"param group {gi}, parameter {i}: sparse parameters are not supported")
+            if id(p) not in ddp_ids and p.requires_grad:
+                raise ValueError(
+                    f"param group {gi}, parameter {i} (shape {tuple(p.shape)}) is not a parameter that "
+                    "the DDP module reduces; build the optimizer from ddp.parameters()")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                group_of.append(gi)
+    missing = [tuple(p.shape) for p in ddp_params if id(p) not in seen]
+    if missing:
+        raise ValueError(f"the DDP module reduces {len(missing)} parameter(s) the optimizer does not own "
+                         f"(shapes {missing[:4]}); pass every trainable parameter, e.g. ddp.parameters()")
+    if not params:
+        raise ValueError("the optimizer has no trainable parameters")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    for module in ddp.module.modules():
+        if getattr(module, "sparse", False) and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            raise ValueError(f"{type(module).__name__}(sparse=True) produces sparse gradients, which "
+                             "fused_zero does not support; use sparse=False")
+    return params, np.asarray(group_of, dtype=np.int64)

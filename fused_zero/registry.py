@@ -1,0 +1,126 @@
+"""Which bucket shard holds each parameter's optimizer state, and moving that state when DDP's buckets
+change.
+
+At construction the state is laid out as one bucket of every parameter in registration order (per
+dtype): what DDP hands the comm hook in its first iteration. When the hook sees a bucket whose
+parameters or offsets differ from what is held (DDP rebuilds its buckets after the first iteration, the
+second with ``static_graph=True``), the registry builds the new ``BucketLayout``, computes with
+``reshard_plan`` which elements of which old regions fill every rank's new region, and moves them in one
+``all_to_all_single``. All ranks see the same buckets, so they compute the same plan with no extra
+message. Nothing here knows about iterations, overlap modes or the update.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .layout import BucketLayout, reshard_plan
+from .profiling import range_push
+from .shard import BucketShard
+
+
+class ShardRegistry:
+    """Attributes:
+        where: optimizer parameter index -> (the BucketShard holding its state, its index there).
+        by_index: DDP bucket index -> BucketShard (negative keys: the initial layout, before DDP's
+            buckets are known).
+        layout_changes: how many times state moved to a new bucket layout.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
+                 grad_in_region: bool, build_segments: bool, device: torch.device, group, world: int,
+                 rank: int):
+        self.params = params
+        self.state_names = state_names
+        self.keeps_master = keeps_master
+        self.grad_in_region = grad_in_region
+        self.build_segments = build_segments
+        self.device = device
+        self.group, self.world, self.rank = group, world, rank
+        self.where: dict[int, tuple[BucketShard, int]] = {}
+        self.by_index: dict[int, BucketShard] = {}
+        self.layout_changes = 0
+
+    def install_initial_layout(self, module: torch.nn.Module, pid_of: dict) -> None:
+        """State for one bucket per dtype holding every parameter in registration order: what DDP
+        hands the hook in its first iteration. Any other bucket reshards from it when it arrives."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for p in module.parameters():  # registration order, as DDP's first bucket
+            if p in pid_of:
+                by_dtype.setdefault(p.dtype, []).append(pid_of[p])
+        for index, pids in enumerate(by_dtype.values()):
+            numels = [self.params[i].numel() for i in pids]
+            offsets = np.concatenate([[0], np.cumsum(numels)[:-1]]).tolist()
+            layout = BucketLayout.build(pids, numels, offsets, self.world, self.rank)
+            shard = self._new_shard(layout)
+            shard.bind_params()
+            shard.init_master_from_params()
+            for local, pid in enumerate(pids):
+                self.where[pid] = (shard, local)
+            self.by_index[-1 - index] = shard  # not a DDP index: replaced as real buckets arrive
+
+    def shards(self) -> list[BucketShard]:
+        return list({id(s): s for s, _ in self.where.values()}.values())
+
+    def shard_for(self, index: int, pids: list[int], offsets: list[int]) -> BucketShard:
+        """The shard of DDP bucket ``index``; resharded first if the bucket differs from what is held."""
+        shard = self.by_index.get(index)
+        if shard is not None and shard.layout.same_bucket(pids, offsets):
+            return shard
+        holder = self.where[pids[0]][0]
+        if holder.layout.same_bucket(pids, offsets):  # e.g. the initial layout, guessed right
+            self.by_index = {i: s for i, s in self.by_index.items() if s is not holder}
+            self.by_index[index] = holder
+            return holder
+        with range_push("fused_zero.reshard"):
+            layout = BucketLayout.build(pids, [self.params[i].numel() for i in pids], offsets,
+                                        self.world, self.rank)
+            for old in {id(self.where[pid][0]): self.where[pid][0] for pid in pids}.values():
+                old.wait_gather()
+            new = self._new_shard(layout)
+            new.bind_params()
+            self._move_state(new)
+            for local, pid in enumerate(pids):
+                self.where[pid] = (new, local)
+            self.by_index[index] = new
+            self.by_index = {i: s for i, s in self.by_index.items()
+                             if any(self.where[pid][0] is s for pid in s.layout.pids)}
+            self.layout_changes += 1
+        return new
+
+    def _new_shard(self, layout: BucketLayout) -> BucketShard:
+        dtype = self.params[layout.pids[0]].dtype
+        return BucketShard(
+            layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
+            master=self.keeps_master(dtype), grad_in_region=self.grad_in_region, device=self.device,
+            dtype=dtype, build_segments=self.build_segments)
+
+    def _move_state(self, new: BucketShard) -> None:
+        """Fill ``new``'s region with the state its parameters had, in one all_to_all."""
+        names = list(new.state)
+        if not names:
+            return
+        plan = reshard_plan(new.layout, {pid: (self.where[pid][0].layout, self.where[pid][1])
+                                         for pid in new.layout.pids})
+        me = self.rank
+        sends = sorted((t for t in plan if t.src == me), key=lambda t: t.dst)  # stable: plan order kept
+        recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.src)
+        pieces = [torch.stack([self.where[t.pid][0].state[n][t.src_off:t.src_off + t.length]
+                               for n in names], dim=1) for t in sends]
+        width = len(names)
+        send = torch.cat(pieces) if pieces else torch.zeros(0, width, device=self.device)
+        recv = torch.empty(sum(t.length for t in recvs), width, device=self.device)
+        if self.world == 1:
+            recv.copy_(send)
+        else:
+            send_splits = [sum(t.length for t in sends if t.dst == r) * width for r in range(self.world)]
+            recv_splits = [sum(t.length for t in recvs if t.src == r) * width for r in range(self.world)]
+            dist.all_to_all_single(recv.view(-1), send.contiguous().view(-1), recv_splits, send_splits,
+                                   group=self.group)
+        pos = 0
+        for t in recvs:
+            for f, n in enumerate(names):
+                new.state[n][t.dst_off:t.dst_off + t.length].copy_(recv[pos:pos + t.length, f])
+            pos += t.length
