@@ -2,32 +2,47 @@
 ranks' regions: a ``state_dict()`` of ours loads into ``torch.optim.AdamW`` (or Adam, SGD), and
 theirs into ours, at any world size and bucket layout.
 
+bf16/fp16 parameters carry one more entry, ``"fp32_master"`` (state_checks.MASTER_KEY): the fp32 master
+weights, without which a resumed run restarts from rounded weights and drifts. torch.optim's
+``load_state_dict`` keeps unknown keys as they are (cast to the parameter's dtype like the rest) and its
+``step()`` never reads them; a dict without them (torch.optim's) starts the masters from the parameters.
+Since torch.optim never updates that entry, a master that no longer rounds to its parameter is stale and
+refused.
+
 The layout module says where each element lives; this module only walks its pieces.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from . import state_checks
 from .collectives import all_gather
-from .layout import BucketLayout
+from .layout import REPLICATED, BucketLayout
+from .state_checks import MASTER_KEY, StateDictError
 
 
-def _full(engine, shard, name: str) -> torch.Tensor:
-    """The whole bucket's values of one state tensor, in bucket order (a collective)."""
+def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | None) -> None:
+    """Write the whole bucket's values of one state tensor into ``out`` (bucket order; None on ranks
+    other than ``to``). A collective."""
     layout: BucketLayout = shard.layout
     region = shard.state[name]
-    full = torch.empty(layout.numel, dtype=region.dtype, device=region.device)
     if layout.shard:
-        if engine.world > 1:
-            all_gather(full[:layout.head], region[:layout.shard].contiguous(), group=engine.group)
+        mine = region[:layout.shard]
+        if engine.world == 1:
+            out[:layout.head].copy_(mine)
+        elif to is None:
+            all_gather(out[:layout.head], mine, group=engine.group)
         else:
-            full[:layout.head].copy_(region[:layout.shard])
-    full[layout.head:].copy_(region[layout.shard:])
-    return full
+            chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(engine.world)] if (
+                engine.rank == to) else None
+            dist.gather(mine, chunks, dst=dist.get_global_rank(engine.group, to), group=engine.group)
+    if out is not None:
+        out[layout.head:].copy_(region[layout.shard:])
 
 
-def _has_state(engine, pid: int) -> bool:
+def has_state(engine, pid: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum)."""
     if engine.steps[pid] == 0:
         return False
@@ -36,84 +51,161 @@ def _has_state(engine, pid: int) -> bool:
     return True
 
 
-def state_dict(engine) -> dict:
-    """Every rank must call this (it all-gathers); every rank gets the whole dict, on CPU."""
-    engine.synchronize()
-    opt = engine.opt
-    index, groups = {}, []
+def param_index(opt) -> dict[int, int]:
+    """id(parameter) -> its index in torch.optim's state dict (every parameter of every group)."""
+    index = {}
     for group in opt.param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = []
         for p in group["params"]:
             index.setdefault(id(p), len(index))
-            packed["params"].append(index[id(p)])
-        groups.append(packed)
-    names = engine.algo.state_names()
-    state = {}
-    for shard in engine.shards():
-        fulls = {n: _full(engine, shard, n).cpu() for n in names}
-        for local, pid in enumerate(shard.layout.pids):
-            if not _has_state(engine, pid):
-                continue
-            p = engine.params[pid]
-            off, n = shard.layout.offsets[local], shard.layout.numels[local]
-            entry = {}
-            if engine.algo.kind == "adam":
-                entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
-            for name in names:
-                entry[name] = fulls[name][off:off + n].view(p.shape).clone()
-            state[index[id(p)]] = entry
-    return {"state": state, "param_groups": groups}
+    return index
 
 
-def load_state_dict(engine, sd: dict) -> None:
-    """Load a canonical state dict. Load the model's weights first: master weights start from them."""
+def packed_groups(opt, index: dict[int, int]) -> list[dict]:
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+            for g in opt.param_groups]
+
+
+def state_dict(engine, to: int | None = None) -> dict | None:
+    """The canonical dict on CPU. A collective: every rank calls it. ``to=None``: every rank gets it;
+    ``to=r``: rank r only (others get None), gathered one bucket and one state tensor at a time, so that
+    the extra device memory is one bucket's worth."""
+    if to is not None and not (isinstance(to, int) and 0 <= to < engine.world):
+        raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.world - 1})")
+    engine.synchronize()
     opt = engine.opt
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
-                         f"{len(opt.param_groups)}")
-    for i, (g, s) in enumerate(zip(opt.param_groups, saved_groups)):
-        if len(g["params"]) != len(s["params"]):
-            raise ValueError(f"param group {i} has {len(g['params'])} parameters, the state dict's "
-                             f"{len(s['params'])}")
-    index_of = {}
-    for g, s in zip(opt.param_groups, saved_groups):
+    index = param_index(opt)
+    receives = to is None or engine.rank == to
+    state: dict[int, dict] = {}
+    for shard in engine.shards():
+        stepped = [(local, pid) for local, pid in enumerate(shard.layout.pids) if has_state(engine, pid)]
+        for name in shard.state:
+            out = torch.empty(shard.layout.numel, device=engine.device) if receives else None
+            _full_into(engine, shard, name, out, to)
+            if not receives or not stepped:
+                continue
+            key = MASTER_KEY if name == "master" else name
+            for local, pid in stepped:
+                p = engine.params[pid]
+                off, n = shard.layout.offsets[local], shard.layout.numels[local]
+                state.setdefault(index[id(p)], {})[key] = out[off:off + n].view(p.shape).cpu().clone()
+        if receives:
+            for _, pid in stepped:
+                entry = state.setdefault(index[id(engine.params[pid])], {})
+                if engine.algo.kind == "adam":
+                    entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
+    if not receives:
+        return None
+    # torch.optim's order: step first, then the state tensors
+    state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(state.items())}
+    return {"state": state, "param_groups": packed_groups(opt, index)}
+
+
+def load_state_dict(engine, sd) -> None:
+    """Load a canonical state dict (ours or torch.optim's) after checking all of it on every rank; a
+    refused dict changes nothing. Load the model's weights first: master weights are checked against
+    (or, without them in the dict, start from) the parameters."""
+    error = None
+    try:
+        plan = _check(engine, sd)
+    except StateDictError as e:
+        error, plan = str(e), None
+    except Exception as e:  # a corrupt dict: whatever it trips over, it must not load
+        error, plan = f"the state dict is malformed ({type(e).__name__}: {e})", None
+    state_checks.agree(engine, error)
+    _apply(engine, *plan)
+
+
+def _check(engine, sd):
+    """Everything a load needs, validated: the merged param groups and each parameter's saved entry."""
+    kind = engine.algo.kind
+    state_checks.check_structure(sd, kind)
+    opt = engine.opt
+    groups = state_checks.merged_groups(opt, sd["param_groups"])
+    state_checks.check_algorithm(engine, groups)
+    saved_index = {}
+    for g, s in zip(opt.param_groups, sd["param_groups"]):
         for p, i in zip(g["params"], s["params"]):
-            index_of[id(p)] = i
-        g.update({k: v for k, v in s.items() if k != "params"})
-    names = engine.algo.state_names()
+            saved_index[id(p)] = i
+    required = engine.algo.state_names() + (["step"] if kind == "adam" else [])
+    engine.synchronize()  # the masters are compared with the parameters
+    entries = {}
+    for pid, p in enumerate(engine.params):
+        key = saved_index[id(p)]
+        entry = sd["state"].get(key, {})
+        where = f"parameter {key} (shape {tuple(p.shape)})"
+        state_checks.check_entry(engine, pid, where, entry, p.shape, required)
+        master = entry.get(MASTER_KEY)
+        if master is not None and "master" in engine.where[pid][0].state:
+            if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
+                raise StateDictError(
+                    f"{where}: its {MASTER_KEY!r} does not round to the parameter. Load the model's weights "
+                    f"before the optimizer's state; if the dict was saved by another optimizer (which does "
+                    f"not update {MASTER_KEY!r}), delete those entries to start the masters from the weights")
+        entries[pid] = entry
+    return groups, entries
+
+
+def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
+    opt = engine.opt
+    for g, merged in zip(opt.param_groups, groups):
+        g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
-    if engine.algo.state_names() != names:
-        raise ValueError(f"the state dict's settings need state {engine.algo.state_names()}, the optimizer "
-                         f"was built with {names}; build it with the same amsgrad / momentum settings")
     engine.synchronize()
     for shard in engine.shards():
-        for n in names:
-            shard.state[n].zero_()
+        for region in shard.state.values():
+            region.zero_()
         shard.init_master_from_params()
-        pieces_of = {}
         for piece in shard.layout.pieces(engine.rank):
-            pieces_of.setdefault(piece.local, []).append(piece)
-        for local, pid in enumerate(shard.layout.pids):
-            p = engine.params[pid]
-            saved = sd["state"].get(index_of[id(p)], {})
-            engine.steps[pid] = _saved_step(engine, saved)
-            for name in names:
-                value = saved.get(name)
+            pid = shard.layout.pids[piece.local]
+            saved = entries[pid]
+            for name, region in shard.state.items():
+                value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
-                if value.shape != p.shape:
-                    raise ValueError(f"state {name!r} of a parameter of shape {tuple(p.shape)} has shape "
-                                     f"{tuple(value.shape)}")
-                flat = value.detach().reshape(-1).to(shard.state[name])
-                for piece in pieces_of.get(local, ()):
-                    shard.state[name][piece.region_off:piece.region_off + piece.length].copy_(
-                        flat[piece.elem:piece.elem + piece.length])
+                flat = value.detach().reshape(-1)
+                region[piece.region_off:piece.region_off + piece.length].copy_(
+                    flat[piece.elem:piece.elem + piece.length])
+    for pid, saved in entries.items():
+        engine.steps[pid] = saved_step(engine, saved)
 
 
-def _saved_step(engine, saved: dict) -> float:
-    if engine.algo.kind == "sgd":
+def saved_step(engine, saved: dict) -> float:
+    if engine.algo.kind == "sgd" and "step" not in saved:
         return 1.0 if saved.get("momentum_buffer") is not None else 0.0
     step = saved.get("step", 0.0)
     return float(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+def is_state_init_step(engine) -> bool:
+    """Whether a step() with no backward before it is torch's state initialization
+    (torch.distributed.checkpoint.state_dict._init_optim_state): no state yet, every gradient a zero
+    tensor, every learning rate 0. torch.optim then only creates zero state (Adam: step 1)."""
+    if engine.steps.any():
+        return False
+    if any(float(g.get("lr", 0.0)) != 0.0 for g in engine.opt.param_groups):
+        return False
+    return all(p.grad is not None and not bool(p.grad.any()) for p in engine.params)
+
+
+def run_state_init_step(engine) -> None:
+    """What torch.optim's step does with zero gradients at lr 0 on a fresh optimizer: the moments stay
+    zero and the parameters unchanged; only the step counts advance."""
+    engine.steps += 1
+
+
+def local_entry(engine, pid: int) -> dict:
+    """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
+    ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
+    the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
+    shard, local = engine.where[pid]
+    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local)
+            if owner in (engine.rank, REPLICATED)]
+    entry = {}
+    if engine.algo.kind == "adam":
+        entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
+    engine.synchronize()
+    for name, region in shard.state.items():
+        parts = [region[off:off + n] for off, n in runs]
+        value = torch.cat(parts) if parts else region[:0].clone()
+        entry[MASTER_KEY if name == "master" else name] = value
+    return entry

@@ -20,9 +20,11 @@ options shared by all:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from . import checkpoint
+from . import checkpoint, sharded_checkpoint
 from .algorithms import AdamFamily, SGDAlgorithm
 from .engine import Engine
 
@@ -30,17 +32,43 @@ from .engine import Engine
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 
 
-class _ShardedState(dict):
-    """Stands in for torch.optim's ``state`` dict, which fused_zero does not keep: each rank holds only
-    its slices. Reading it raises instead of returning nothing, so code that inspects it (or a
-    checkpoint helper that walks it) fails loudly rather than saving an empty state."""
+class _ShardedState(Mapping):
+    """``opt.state``: a read-only view that tells one story. Its keys are the parameters torch.optim
+    would have state for (stepped at least once; SGD only with momentum), so ``len``, ``bool``, ``in``
+    and iteration agree with each other and with torch (torch's checkpoint helpers test
+    ``bool(opt.state)`` to decide whether to create state). ``opt.state[p]`` is a snapshot of this
+    rank's share, with no collective (see checkpoint.local_entry); a parameter without state reads as
+    ``{}``, as torch's defaultdict does. Writing into it is refused: the state lives in the ranks'
+    regions; change it through ``load_state_dict``. Writing into a snapshot's dict changes nothing,
+    which keeps device-moving walkers harmless (the state already lives where the parameters do)."""
 
-    def __getitem__(self, key):
-        raise RuntimeError("fused_zero keeps the optimizer state sharded across ranks; opt.state_dict() "
-                           "(call it on every rank) returns it in torch.optim's per-parameter form")
+    def __init__(self, engine):
+        self._engine = engine
 
-    def get(self, key, default=None):
-        return self[key]
+    def _pids(self):
+        return [pid for pid in range(len(self._engine.params)) if checkpoint.has_state(self._engine, pid)]
+
+    def __getitem__(self, param):
+        pid = self._engine.pid_of.get(param)
+        if pid is None:
+            raise KeyError("not a parameter this optimizer updates")
+        return checkpoint.local_entry(self._engine, pid) if checkpoint.has_state(self._engine, pid) else {}
+
+    def __iter__(self):
+        return iter([self._engine.params[pid] for pid in self._pids()])
+
+    def __len__(self):
+        return len(self._pids())
+
+    def __contains__(self, param):
+        pid = self._engine.pid_of.get(param)
+        return pid is not None and checkpoint.has_state(self._engine, pid)
+
+    def __setitem__(self, key, value):
+        raise TypeError("fused_zero's opt.state is read-only: the state is sharded across ranks; change it "
+                        "with opt.load_state_dict()")
+
+    __delitem__ = __setitem__
 
 
 class _ShardedOptimizer(torch.optim.Optimizer):
@@ -59,7 +87,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
         self._engine = Engine(self, ddp, algorithm, **options)
-        self.state = _ShardedState()
+        self.state = _ShardedState(self._engine)
         self._started = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -80,6 +108,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._engine.iteration.invoked == 0 and checkpoint.is_state_init_step(self._engine):
+            checkpoint.run_state_init_step(self._engine)  # torch.distributed.checkpoint's helpers do this
+            return loss
         self._engine.step()
         return loss
 
@@ -107,15 +138,30 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             "region_elements": sum(s.layout.region_size for s in shards),
         }
 
-    def state_dict(self) -> dict:
-        """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... on CPU), which
-        ``torch.optim`` loads as it is. A collective: call it on every rank; every rank gets it all."""
-        return checkpoint.state_dict(self._engine)
+    def state_dict(self, to: int | None = None) -> dict | None:
+        """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... and, for bf16/fp16
+        parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is. A collective: call it
+        on every rank. ``to=None``: every rank gets the whole dict; ``to=r``: only rank r does (the
+        others get None), gathered bucket by bucket."""
+        return checkpoint.state_dict(self._engine, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout.
-        Load the model's weights first: master weights start from the parameters. Call on every rank."""
+        """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
+        checking all of it: a refused dict raises and changes nothing. Load the model's weights first.
+        Call on every rank."""
         checkpoint.load_state_dict(self._engine, state_dict)
+
+    def sharded_state_dict(self) -> dict:
+        """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,
+        as ShardedTensors over each parameter's flattened state (see sharded_checkpoint.py).
+        ``dcp.save(opt.sharded_state_dict(), ...)``; to load, ``sd = opt.sharded_state_dict();
+        dcp.load(sd, ...); opt.load_sharded_state_dict(sd)`` at any world size or bucket layout."""
+        return sharded_checkpoint.sharded_state_dict(self._engine)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
+        all of it on every rank: a refused dict raises and changes nothing."""
+        sharded_checkpoint.load_sharded_state_dict(self._engine, state_dict)
 
 
 class AdamW(_ShardedOptimizer):
