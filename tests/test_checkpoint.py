@@ -7,9 +7,9 @@ import io
 
 import pytest
 import torch
-from ckpt_scenarios import assert_unchanged, build, perturb, snapshot, train, train_both, train_ref
+from ckpt_scenarios import assert_unchanged, perturb, snapshot, train, train_both, train_ref
 from distributed import run_ranks
-from scenarios import Case, _compare
+from scenarios import Case, _compare, build
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from fused_zero.state_checks import StateDictError

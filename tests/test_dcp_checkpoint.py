@@ -1,0 +1,107 @@
+"""A checkpoint saved at two ranks (canonical ``state_dict(to=0)`` and torch.distributed.checkpoint)
+loads at three ranks and at one, with other buckets, and training continues in parity with
+torch.optim continuing from its own saved state. Saving through DCP holds no more than the rank's own
+state plus one bucket."""
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckpt_scenarios import dcp_load, perturb, train_both
+from distributed import run_ranks
+from scenarios import Case, build
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+import fused_zero
+
+SAVED = Case(opt="AdamW", bucket_cap_mb=0.0001, groups=2)
+
+
+def peak_bytes(fn) -> int:
+    """The peak of torch's CPU allocations made while ``fn`` runs (this thread), above the start."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    now = peak = 0
+    for _, n in events:
+        now += n
+        peak = max(peak, now)
+    return peak
+
+
+def measure_save_memory(rank, world, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 64))
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, lr=1e-3)
+    for _ in range(3):  # past DDP's bucket rebuild
+        ddp(torch.randn(8, 256)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    eng = opt._engine
+    own = sum(t.numel() * t.element_size() for s in eng.shards() for t in s.state.values())
+    bucket = max(s.layout.numel for s in eng.shards()) * 4
+    full = sum(p.numel() for p in model.parameters()) * 4 * len(eng.algo.state_names())
+    peak = peak_bytes(lambda: dcp.save(opt.sharded_state_dict(), checkpoint_id=path))
+    # the measurement must see the copies of the rank's own state, else it could not catch a full gather
+    assert own / 2 < peak < own + bucket < full, (peak, own, bucket, full)
+    if rank != 0:  # state_dict(to=0) costs the other ranks at most one bucket
+        gathered = peak_bytes(lambda: opt.state_dict(to=0))
+        assert gathered <= bucket, (gathered, bucket)
+    else:
+        assert opt.state_dict(to=0) is not None
+    return {"peak": peak, "own": own, "bucket": bucket, "full": full}
+
+
+def save_at_two(rank, world, path):
+    built = build(SAVED, rank)
+    model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
+    train_both(SAVED, built, rank, 4)
+    assert opt._engine.layout_changes > 0
+    canonical = opt.state_dict(to=0)
+    assert (canonical is None) == (rank != 0)
+    full = opt.state_dict()
+    if rank == 0:
+        for k, st in full["state"].items():
+            for name, v in st.items():
+                assert torch.equal(canonical["state"][k][name], v)
+        torch.save({"model": model.state_dict(), "ours": canonical, "torch": ref_opt.state_dict()},
+                   os.path.join(path, "ckpt.pt"))
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=os.path.join(path, "dcp"))
+    memory = measure_save_memory(rank, world, os.path.join(path, "mem"))
+    return memory
+
+
+def load_elsewhere(rank, world, path, bucket_cap_mb):
+    """At another world size and bucket size: ours loads (canonical, then DCP), torch.optim loads its
+    own saved state, and both continue equal step by step."""
+    saved = torch.load(os.path.join(path, "ckpt.pt"))
+    case = Case(opt="AdamW", bucket_cap_mb=bucket_cap_mb, groups=2)
+    for form in ("canonical", "dcp"):
+        built = build(case, rank)
+        model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
+        perturb(case, built, rank)
+        for m in (model, ref_model):
+            m.load_state_dict(saved["model"])
+        ref_opt.load_state_dict(copy.deepcopy(saved["torch"]))
+        if form == "canonical":
+            opt.load_state_dict(saved["ours"])
+        else:
+            dcp_load(opt, os.path.join(path, "dcp"))
+        train_both(case, built, rank, 4, start=5)
+        opt._engine.close()
+    dist.barrier()
+    return "ok"
+
+
+def test_saved_at_two_loads_at_three_and_one(tmp_path):
+    path = str(tmp_path)
+    memory = run_ranks(save_at_two, 2, path)
+    print("dcp.save peak bytes per rank:", memory)
+    assert run_ranks(load_elsewhere, 3, path, 25.0) == ["ok"] * 3
+    assert run_ranks(load_elsewhere, 1, path, 0.0005) == ["ok"]
