@@ -135,7 +135,7 @@ def _check(engine, sd):
         where = f"parameter {key} (shape {tuple(p.shape)})"
         state_checks.check_entry(engine, pid, where, entry, p.shape, required)
         master = entry.get(MASTER_KEY)
-        if master is not None and "master" in engine.where[pid][0].state:
+        if master is not None and "master" in engine.registry.where[pid][0].state:
             if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
                 raise StateDictError(
                     f"{where}: its {MASTER_KEY!r} does not round to the parameter. Load the model's weights "
@@ -197,7 +197,7 @@ def local_entry(engine, pid: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
-    shard, local = engine.where[pid]
+    shard, local = engine.registry.where[pid]
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local)
             if owner in (engine.rank, REPLICATED)]
     entry = {}

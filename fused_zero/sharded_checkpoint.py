@@ -50,7 +50,7 @@ def sharded_state_dict(engine) -> dict:
     index = checkpoint.param_index(engine.opt)
     state = {}
     for pid, p in enumerate(engine.params):
-        shard, local = engine.where[pid]
+        shard, local = engine.registry.where[pid]
         runs = shard.layout.owners(local)
         metas = [ShardMetadata([lo], [hi - lo], f"rank:{_owner(owner)}/{engine.device}")
                  for lo, hi, owner, _ in runs]
@@ -104,7 +104,7 @@ def _check(engine, sd):
         where = f"parameter {i} (shape {tuple(p.shape)})"
         step = entry["step"]
         local = {"step": step}
-        shard, loc = engine.where[pid]
+        shard, loc = engine.registry.where[pid]
         for name in shard.state:
             st = entry[_state_key(name)]
             by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
