@@ -90,7 +90,7 @@ def step_misuse(rank, world):
     out.append(_expect(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
                        RuntimeError, "add_param_group"))
 
-    out.append(_expect(lambda: opt.state[next(iter(model.parameters()))], RuntimeError, "state_dict"))
+    out.append(_expect(lambda: opt.state.__setitem__(next(iter(model.parameters())), {}), TypeError, "read-only"))
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(ddp(x, use_branch=True).sum()).backward()
     out.append(_expect(lambda: scaler.step(opt), RuntimeError, "GradScaler is not supported"))
