@@ -31,12 +31,24 @@ from .streams import SideStream
 
 
 @dataclass
+class _UsedFlags:
+    """A bucket's "got a gradient on some rank" flags, being all-reduced on the update's device.
+
+    ``table`` is int64 ``[2, k]``: row 0 the bucket's parameter indices, row 1 how many ranks produced
+    a gradient for each (all-reduced in place; the Work is among the bucket's Works). The update folds
+    row 1 into column 0 ("active") of the coefficient table on the device: no host sync in the backward.
+    """
+
+    table: torch.Tensor
+
+
+@dataclass
 class _Reduced:
-    """A bucket whose reduction has been started: its shard, the parameters that got a gradient and
-    the Works to wait for."""
+    """A bucket whose reduction has been started: its shard, the parameters that got a gradient (known
+    on the host, or being all-reduced) and the Works to wait for."""
 
     shard: BucketShard
-    active: np.ndarray
+    active: np.ndarray | _UsedFlags
     works: list
 
 
@@ -65,7 +77,8 @@ class Engine:
 
     Attributes (the main ones):
         params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
-        steps: each parameter's step count, on the host (replicated on every rank).
+        steps: each parameter's step count, on the host (replicated on every rank). Where DDP may
+            skip parameters, the counts of the last update wait in ``_pending_steps`` until read.
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
@@ -88,7 +101,9 @@ class Engine:
         self.pid_of = {p: i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
-        self.steps = np.zeros(len(self.params), dtype=np.float64)
+        self._steps = np.zeros(len(self.params), dtype=np.float64)
+        # (pids, host "used on some rank" counts, event to synchronize first) not yet in _steps
+        self._pending_steps: list[tuple[np.ndarray, torch.Tensor, object]] = []
         # what the kernel divides each parameter's reduced gradient by: 1 where the reduction averaged
         self.grad_div = np.array([1.0 if self._pre_divides(p.dtype) else float(self.world) for p in self.params])
         self.side = SideStream(self.device)
@@ -111,24 +126,44 @@ class Engine:
     def layout_changes(self) -> int:
         return self.registry.layout_changes
 
+    @property
+    def steps(self) -> np.ndarray:
+        """Each parameter's step count (numpy, writable in place), with every update so far counted."""
+        self._settle_steps()
+        return self._steps
+
+    def _settle_steps(self) -> None:
+        """Count the updates whose parameters' activity was all-reduced on the device. Called where the
+        copies are long done: the next iteration's first hook, or a reader of ``steps`` (checkpoints)."""
+        for pids, used, event in self._pending_steps:
+            if event is not None:
+                event.synchronize()
+            self._steps[pids] += used.numpy() > 0
+        self._pending_steps = []
+
     def shards(self) -> list[BucketShard]:
         return self.registry.shards()
 
     def _compile_kernels(self) -> None:
         """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
-        Triton compiles now and not inside the first backward (tens of ms per variant)."""
-        for shard in self.shards():
-            dtype = shard.param_buffer.dtype
-            one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
-            state = {name: one() for name in shard.state}
-            coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
-                                           np.zeros(1, dtype=bool), 1.0).to(self.device)
-            rows = [(0, 1, 0, 0, 0)]
-            segments = Segments.build(rows, self.device)
-            clip = one() if self.max_grad_norm is not None else None
-            self.algo.update("triton", rows, segments, coefs, UpdateArgs(one(dtype), one(dtype), state, clip_coef=clip))
-            if self.max_grad_norm is not None:
-                self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype))
+        Triton compiles now and not inside the first backward (tens of ms per variant). On the side
+        stream, under the parameters' device guard, like every launch."""
+        with self.side.run(follow_current=True):
+            for shard in self.shards():
+                self._compile_for(shard)
+
+    def _compile_for(self, shard: BucketShard) -> None:
+        dtype = shard.param_buffer.dtype
+        one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
+        state = {name: one() for name in shard.state}
+        coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
+                                       np.zeros(1, dtype=bool), 1.0).to(self.device)
+        rows = [(0, 1, 0, 0, 0)]
+        segments = Segments.build(rows, self.device)
+        clip = one() if self.max_grad_norm is not None else None
+        self.algo.update("triton", rows, segments, coefs, UpdateArgs(one(dtype), one(dtype), state, clip_coef=clip))
+        if self.max_grad_norm is not None:
+            self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype))
 
     # ------------------------------------------------------------------ the comm hook
 
@@ -140,8 +175,12 @@ class Engine:
         (callbacks on communication threads would race). On CUDA, waiting for a reduction is a stream
         wait, so a bucket is updated as soon as it is handed over; on CPU a wait blocks the host, so a
         bucket is updated when the next one arrives, and its reduction overlaps the backward between.
-        The returned future is complete: the buffer's values are final once the last bucket's hook
-        has returned, which is before DDP reads them.
+        With ``grad_reduce="all_reduce"`` the returned future is the all-reduce's, as DDP's own
+        ``allreduce_hook`` returns: DDP's ``finalize_backward`` waits for it (a stream wait on CUDA)
+        before it reads the bucket into ``param.grad``, so ``param.grad`` is DDP's average in every
+        overlap mode. Its callback only hands the buffer back; it issues nothing. With
+        ``reduce_scatter`` (gloo's has no future) the future is complete: no rank holds the whole
+        average, and ``param.grad`` is documented as unreduced.
         """
         buffer = bucket.buffer()
         if buffer.is_sparse:
@@ -160,11 +199,12 @@ class Engine:
         it = self.iteration
         if it.hparams is None:
             self.side.join()
+            self._settle_steps()
             it.hparams = self._read_hparams()
         shard = self.registry.shard_for(bucket.index(), pids, offsets)
-        active = self._active(shard)
+        active, works = self._active(shard)
         with range_push(f"fused_zero.reduce[{bucket.index()}]"):
-            works = self._reduce(shard, buffer)
+            works += self._reduce(shard, buffer)
         shard.reduced_buffer = buffer
         it.ready.append(_Reduced(shard, active, works))
         it.invoked += 1
@@ -174,6 +214,8 @@ class Engine:
             self._finish(it, len(it.ready) - keep)
         elif self.overlap == "backward" and it.last_invoked:
             self._finish(it, len(it.ready))
+        if self.grad_reduce == "all_reduce" and self.world > 1:
+            return works[-1].get_future().then(lambda _: buffer)
         fut = torch.futures.Future()
         fut.set_result(buffer)
         return fut
@@ -181,14 +223,22 @@ class Engine:
     def _read_hparams(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
 
-    def _active(self, shard: BucketShard) -> np.ndarray:
-        """Which of the bucket's parameters got a gradient on some rank (torch.optim skips the rest)."""
+    def _active(self, shard: BucketShard) -> tuple[np.ndarray | _UsedFlags, list]:
+        """Which of the bucket's parameters got a gradient on some rank (torch.optim skips the rest),
+        and the Works to wait for before that is known.
+
+        Where it is not known on the host, the local flags go to the device and are all-reduced
+        asynchronously, in the hook like every collective: no host sync per bucket."""
         pids = shard.pids
         if not self.track_used:
-            return np.ones(len(pids), dtype=bool)
+            return np.ones(len(pids), dtype=bool), []
         if self.used_static is not None:
-            return self.used_static[pids]
-        return self._used_on_any_rank(pids)
+            return self.used_static[pids], []
+        local = torch.from_numpy(np.stack([pids, self.used_local[pids]]).astype(np.int64))
+        with self.side.run(follow_current=False):
+            table = self.side.upload(local)
+            works = [dist.all_reduce(table[1], group=self.group, async_op=True)] if self.world > 1 else []
+        return _UsedFlags(table), works
 
     def _used_on_any_rank(self, pids: np.ndarray) -> np.ndarray:
         """All-reduce the local "got a gradient" flags of ``pids`` (a host sync on CUDA)."""
@@ -235,7 +285,7 @@ class Engine:
         todo, it.ready = it.ready[:count], it.ready[count:]
         if not todo:
             return
-        with self.side.run(follow_current=any(not item.works for item in todo)):
+        with self.side.run(follow_current=self.world == 1):
             for item in todo:
                 for w in item.works:
                     w.wait()
@@ -243,13 +293,19 @@ class Engine:
 
     def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
         """Every parameter's update scalars for this step, one row per parameter (host float32)."""
-        return self.algo.coefficients(hparams, self.group_of, self.steps + active, active, self.grad_div)
+        return self.algo.coefficients(hparams, self.group_of, self._steps + active, active, self.grad_div)
 
-    def _coefs_for(self, it: _Iteration, shard: BucketShard, active: np.ndarray) -> torch.Tensor:
-        """The table a bucket's update reads: the iteration's shared one, unless some parameter of the
-        bucket got no gradient (then a table of its own, with those rows inactive)."""
+    def _coefs_for(self, it: _Iteration, shard: BucketShard, active: np.ndarray | _UsedFlags) -> torch.Tensor:
+        """The table a bucket's update reads: the iteration's shared one (every row active), with this
+        bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
+        the host knows that some parameter of the bucket got no gradient."""
         if it.coefs is None:
             it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(len(self.params))))
+        if isinstance(active, _UsedFlags):  # runs on the side stream, after the flags' all-reduce
+            pids, used = active.table[0], active.table[1]
+            it.coefs[:, 0].index_copy_(0, pids, (used > 0).to(it.coefs.dtype))
+            self._pending_steps.append((shard.pids, *self.side.download(used)))
+            return it.coefs
         if active.all():
             return it.coefs
         mask = np.ones(len(self.params))
@@ -267,7 +323,9 @@ class Engine:
                 grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
                 self.algo.update(self.backend, shard.rows, shard.segments, table,
                                  UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
-            self.steps[shard.pids] += item.active
+            self.side.mark_updated()
+            if not isinstance(item.active, _UsedFlags):  # else counted from the flags (_settle_steps)
+                self._steps[shard.pids] += item.active
             shard.reduced_buffer = None
             self._start_gather(shard)
 
@@ -311,6 +369,11 @@ class Engine:
         self.iteration = _Iteration()
         if self.param_sync == "step":
             self.synchronize()
+        else:
+            # the compute stream follows the updates (not the all-gathers): whatever runs before the
+            # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
+            # it rebuilds them, must not overwrite what an update still reads
+            self.side.join_updates()
 
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""

@@ -110,8 +110,9 @@ class ShardRegistry:
         pieces = [torch.stack([self.where[t.pid][0].state[n][t.src_off:t.src_off + t.length]
                                for n in names], dim=1) for t in sends]
         width = len(names)
-        send = torch.cat(pieces) if pieces else torch.zeros(0, width, device=self.device)
-        recv = torch.empty(sum(t.length for t in recvs), width, device=self.device)
+        dtype = torch.float32  # the state's dtype, whatever torch's default dtype is
+        send = torch.cat(pieces) if pieces else torch.zeros(0, width, dtype=dtype, device=self.device)
+        recv = torch.empty(sum(t.length for t in recvs), width, dtype=dtype, device=self.device)
         if self.world == 1:
             recv.copy_(send)
         else:

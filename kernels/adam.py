@@ -93,7 +93,8 @@ def _adam_kernel(
     m = tl.where(tl.abs(lerp_w) < 0.5, m + lerp_w * diff, g - diff * (1.0 - lerp_w))
     v = v * beta2 + one_minus_beta2 * g * g
     if AMSGRAD:
-        vmax = tl.maximum(tl.load(max_exp_avg_sq_ptr + s_offs, mask=mask, other=0.0), v)
+        vmax = tl.maximum(tl.load(max_exp_avg_sq_ptr + s_offs, mask=mask, other=0.0), v,
+                          propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum: NaN in, NaN out
         tl.store(max_exp_avg_sq_ptr + s_offs, vmax, mask=mask)
         denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
     else:
