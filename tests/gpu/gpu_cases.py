@@ -1,0 +1,304 @@
+"""The GPU checks, run by test_gpu.py each in a fresh Python process without ``TRITON_INTERPRET`` (the
+suite's conftest switches the interpreter on for the CPU tests, and Triton reads it once, at import):
+``python gpu_cases.py CASE`` exits 0 when the case passes, 77 when this machine cannot run it (the
+reason on the last line of stdout), anything else when it fails.
+
+Every oracle is torch.optim on the same device: the kernels over 100 steps on ragged slices, the engine
+at world 1 in every overlap mode and param_sync, two gloo ranks sharing one GPU, NCCL on 2+ GPUs with
+every rank left on current device 0 (the DDP tutorial's ``model.to(rank)`` without ``set_device``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: scenarios.OddNet, shared with the CPU tests
+
+SKIP = 77
+DEVICE = os.environ.get("FUSED_ZERO_CASES_DEVICE", "cuda")  # "cpu": a dry run of the harness itself
+
+
+class Skip(Exception):
+    """This machine cannot run the case; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+SIZES = (1, 7, 1000, 4099, 33, 2050, 131073)
+STEPS = 100
+
+
+def _rows(sizes, lo, hi):
+    """Segments rows of the flat slice [lo, hi): shard offsets local to the slice, param/grad global."""
+    rows, start = [], 0
+    for pid, n in enumerate(sizes):
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            rows.append((a - lo, b - a, a, a, pid))
+        start += n
+    return rows
+
+
+def _kernel_run(opt_name, low, *, found_inf_step=None, clip=None, scale=None, world=3):
+    """Step the fused kernel on ``world`` slices cut mid-parameter and torch.optim side by side."""
+    from fused_zero.kernels import Segments, adam_coefficients, adam_step, sgd_coefficients, sgd_step
+
+    dev = torch.device(DEVICE)
+    total = sum(SIZES)
+    master_needed = low != torch.float32
+    p0 = torch.randn(total, device=dev) * 0.5
+    param = p0.to(low)
+    start = param.float()  # the reference starts from the rounded parameters, in fp32
+    master = start.clone() if master_needed else None
+    ref = [t.clone().requires_grad_(True) for t in start.split(SIZES)]
+    is_adam = opt_name != "SGD"
+    if is_adam:
+        kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=opt_name == "Adam")
+        opt = getattr(torch.optim, opt_name)(ref, foreach=False, **kw)
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if kw["amsgrad"] else [])
+    else:
+        kw = dict(lr=5e-2, momentum=0.9, weight_decay=0.01)
+        opt = torch.optim.SGD(ref, foreach=False, **kw)
+        names = ["momentum_buffer"]
+    state = {n: torch.zeros(total, device=dev) for n in names}
+    cut = [total * r // world for r in range(world + 1)]
+    segs = [Segments.build(_rows(SIZES, cut[r], cut[r + 1]), dev) for r in range(world)]
+    extra = dict(grad_scale=None if scale is None else torch.tensor([scale], device=dev),
+                 clip_coef=None if clip is None else torch.tensor([clip], device=dev))
+    found = torch.zeros(1, device=dev)
+    taken = 0
+    for step in range(1, STEPS + 1):
+        lr = kw["lr"] * (1 + 0.5 * math.cos(step))
+        g = torch.randn(total, device=dev).to(low)
+        skip = step == found_inf_step
+        if not skip:
+            taken += 1
+            for p, gg in zip(ref, g.float().split(SIZES)):
+                gg = gg / scale if scale is not None else gg
+                p.grad = gg * clip if clip is not None else gg
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        found.fill_(1.0 if skip else 0.0)
+        if is_adam:
+            coefs = adam_coefficients(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                      step=max(taken, 1), decoupled=opt_name == "AdamW").to(dev)
+        else:
+            coefs = sgd_coefficients(lr=lr, momentum=0.9, dampening=0.0, weight_decay=0.01,
+                                     first=taken <= 1).to(dev)
+        coefs = coefs.expand(len(SIZES), -1).contiguous()
+        for r in range(world):
+            lo, hi = cut[r], cut[r + 1]
+            view = {n: t[lo:hi] for n, t in state.items()}
+            m = None if master is None else master[lo:hi]
+            if is_adam:
+                adam_step(segs[r], coefs, grad=g, param=param, master=m, exp_avg=view["exp_avg"],
+                          exp_avg_sq=view["exp_avg_sq"], max_exp_avg_sq=view.get("max_exp_avg_sq"),
+                          found_inf=found, **extra)
+            else:
+                sgd_step(segs[r], coefs, grad=g, param=param, master=m,
+                         momentum_buffer=view["momentum_buffer"], found_inf=found, **extra)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    what = f"{opt_name} {low} found_inf_step={found_inf_step} clip={clip} scale={scale}"
+    mine_w = master if master is not None else param.float()
+    theirs_w = torch.cat([p.detach() for p in ref])
+    _close(mine_w, theirs_w, f"{what}: weights")
+    for n in names:
+        theirs = torch.cat([opt.state[p][n].reshape(-1) for p in ref])
+        _close(state[n], theirs, f"{what}: {n}")
+    if master is not None:
+        assert torch.equal(master.to(low), param), f"{what}: parameters are not the master rounded"
+
+
+def _close(mine, theirs, what):
+    """Within a few fp32 ulps of the tensor's scale after 100 steps: Triton contracts a*b+c into FMAs
+    where torch's CUDA kernels round each product; a wrong or skipped step is off by ~lr."""
+    scale = float(theirs.abs().max())
+    torch.testing.assert_close(mine, theirs, rtol=2e-5, atol=2e-6 * scale + 1e-12,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def case_kernels():
+    for opt_name in ("AdamW", "Adam", "SGD"):
+        for low in (torch.float32, torch.bfloat16, torch.float16):
+            _kernel_run(opt_name, low)
+    _kernel_run("AdamW", torch.bfloat16, found_inf_step=37)
+    _kernel_run("AdamW", torch.float16, scale=1024.0, found_inf_step=5)
+    _kernel_run("AdamW", torch.float32, clip=0.25)
+    _kernel_run("SGD", torch.bfloat16, clip=0.5, scale=256.0, found_inf_step=50)
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+def _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=20, bucket_cap_mb=0.0001,
+                   grad_reduce="reduce_scatter", graph="plain", zero_to_none=True):
+    """fused_zero AdamW under DDP against DDP + torch.optim.AdamW (on fp32 masters for bf16), on
+    ``device``; every step compares every parameter (param_sync="forward": after synchronize())."""
+    from scenarios import VOCAB, OddNet, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    torch.manual_seed(1234)
+    model, ref = OddNet(), OddNet()
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        if graph == "plain":
+            m.never.requires_grad_(False)
+        m.to(device=device, dtype=dtype)
+    ids = [device.index] if device.index is not None else None
+    kw = dict(bucket_cap_mb=bucket_cap_mb, device_ids=ids, find_unused_parameters=graph == "find_unused")
+    ddp, ref_ddp = DDP(model, **kw), DDP(ref, **kw)
+    opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap,
+                           param_sync=param_sync, grad_reduce=grad_reduce)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    masters = [p.detach().float().requires_grad_(True) for p in params] if dtype != torch.float32 else params
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        use_branch = graph == "plain" or (step + rank) % 3 == 0
+        for d, o in ((ref_ddp, None), (ddp, opt)):
+            loss = F.cross_entropy(d(x, use_branch=use_branch).float().reshape(-1, VOCAB), y.reshape(-1))
+            loss.backward()
+            if o is None:
+                for p, m in zip(params, masters):
+                    if m is not p:
+                        m.grad = None if p.grad is None else p.grad.float()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                with torch.no_grad():
+                    for p, m in zip(params, masters):
+                        if m is not p:
+                            p.copy_(m)
+                        p.grad = None
+            else:
+                o.step()
+                o.zero_grad(set_to_none=zero_to_none)  # False: an in-place write right after step()
+        if param_sync == "forward" and step % 5:
+            continue  # leave the gathers to the next forward's pre-hooks
+        opt.synchronize()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            a, b = p.detach().float(), q.detach().float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            else:  # a few bf16 ulps: a skipped or doubled step is ~lr away on parameters near 1
+                torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    opt._engine.close()
+    return opt._engine.layout_changes
+
+
+def _world1(rank, world, steps):
+    device = torch.device("cuda", 0)
+    for overlap in ("bucket", "backward", "step"):
+        for param_sync in ("step", "forward"):
+            for dtype in (torch.float32, torch.bfloat16):
+                _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=steps,
+                               zero_to_none=param_sync == "step")
+    _engine_parity(rank, world, "bucket", "step", torch.float32, device, steps=steps, graph="find_unused")
+
+
+def case_engine_world1():
+    from fused_zero.spawn import run_ranks
+
+    run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
+
+
+def case_engine_sanitized():
+    """The world-1 engine checks again, fewer steps, with torch's CUDA sanitizer on: the parent sets
+    TORCH_CUDA_SANITIZER=1, which torch reads at import (it sees torch's ops, not Triton's launches)."""
+    from fused_zero.spawn import run_ranks
+
+    if not os.environ.get("TORCH_CUDA_SANITIZER"):
+        raise Skip("TORCH_CUDA_SANITIZER is not set")
+    run_ranks(_world1, 1, 4, backend="nccl", timeout=300)
+
+
+def _shared_gpu(rank, world):
+    """Two gloo ranks on one GPU: first check that this torch's gloo takes CUDA tensors for every
+    collective fused_zero issues, then the engine in each mode against DDP + torch.optim."""
+    import torch.distributed as dist
+
+    from fused_zero.collectives import all_gather, reduce_scatter
+
+    dev = torch.device("cuda", 0)
+    try:
+        t = torch.ones(4 * world, device=dev)
+        out = torch.empty(4, device=dev)
+        reduce_scatter(out, t)
+        all_gather(t, out)
+        dist.all_to_all_single(torch.empty(4 * world, device=dev), t, [4] * world, [4] * world)
+        dist.all_reduce(out, async_op=True).wait()
+        torch.cuda.synchronize()
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return f"skip: gloo in torch {torch.__version__} does not run fused_zero's collectives on CUDA " \
+               f"tensors: {type(e).__name__}: {str(e).splitlines()[0]}"
+    changes = 0
+    modes = (("bucket", "reduce_scatter"), ("backward", "all_reduce"), ("step", "reduce_scatter"))
+    for overlap, grad_reduce in modes:
+        changes += _engine_parity(rank, world, overlap, "forward", torch.float32, dev, steps=10,
+                                  grad_reduce=grad_reduce)
+    _engine_parity(rank, world, "bucket", "step", torch.float32, dev, steps=10, graph="find_unused")
+    assert changes > 0, "DDP never rebuilt its buckets: the resharding path was not exercised"
+    return "ok"
+
+
+def case_two_ranks_one_gpu():
+    from fused_zero.spawn import run_ranks
+
+    outs = run_ranks(_shared_gpu, 2, backend="gloo", timeout=400)
+    if any(o.startswith("skip") for o in outs):
+        raise Skip(outs[0])
+
+
+def _nccl(rank, world):
+    torch.cuda.set_device(0)  # what a script that never calls set_device has on every rank
+    dev = torch.device("cuda", rank)
+    changes = 0
+    modes = (("bucket", "reduce_scatter", "forward"), ("backward", "all_reduce", "step"),
+             ("step", "reduce_scatter", "forward"), ("bucket", "all_reduce", "forward"))
+    for overlap, grad_reduce, sync in modes:
+        for dtype in (torch.float32, torch.bfloat16):
+            changes += _engine_parity(rank, world, overlap, sync, dtype, dev, steps=12, grad_reduce=grad_reduce)
+    _engine_parity(rank, world, "backward", "forward", torch.float32, dev, steps=12, graph="find_unused")
+    assert changes > 0, "DDP never rebuilt its buckets: the resharding path was not exercised"
+
+
+def case_nccl_multi_gpu():
+    from fused_zero.spawn import run_ranks
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        raise Skip(f"NCCL needs one GPU per rank; this machine has {n}")
+    run_ranks(_nccl, 2, backend="nccl", timeout=400)  # two: bf16 sums in DDP's order (see scenarios.py)
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main(name: str) -> int:
+    if not torch.cuda.is_available():
+        print("skip: CUDA is not available")
+        return SKIP
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 would run the kernels in the interpreter, not on the GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    try:
+        CASES[name]()
+    except Skip as e:
+        print(f"skip: {e}")
+        return SKIP
+    print(f"{name}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

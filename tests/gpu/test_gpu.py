@@ -1,0 +1,53 @@
+"""The CUDA path on a GPU: the kernels, the engine at world 1, ranks sharing one GPU over gloo, NCCL on
+2+ GPUs, and the engine under torch's CUDA sanitizer. Skipped, with the reason, where CUDA is absent.
+
+Each case runs in its own process (gpu_cases.py) without ``TRITON_INTERPRET``: tests/conftest.py turns
+the interpreter on for the CPU tests, and Triton reads it once per process, so the GPU cases could not
+run the compiled kernels in this one. ``bench/gpu_check.sh`` runs this file first.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SKIP = 77  # gpu_cases.py's exit status for "this machine cannot run the case"
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA is not available: the GPU tests need an NVIDIA GPU (gpu_check.sh)")
+
+
+def run_case(name: str, timeout: float = 420.0, **env):
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child_env.update(env)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_cases.py"), name], env=child_env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode == SKIP:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"gpu case {name} failed (exit {proc.returncode}):\n{out[-8000:]}"
+
+
+def test_kernels_against_torch_optim():
+    run_case("kernels")
+
+
+def test_engine_world1_every_mode():
+    run_case("engine_world1")
+
+
+def test_two_gloo_ranks_on_one_gpu():
+    run_case("two_ranks_one_gpu")
+
+
+def test_nccl_on_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs one GPU per rank; this machine has {torch.cuda.device_count()}")
+    run_case("nccl_multi_gpu")
+
+
+def test_engine_under_the_cuda_sanitizer():
+    run_case("engine_sanitized", TORCH_CUDA_SANITIZER="1")
