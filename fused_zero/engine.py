@@ -132,6 +132,11 @@ class Engine:
         self._settle_steps()
         return self._steps
 
+    @steps.setter
+    def steps(self, value) -> None:  # ``engine.steps += 1`` (in place on the array, then assigned)
+        self._settle_steps()
+        self._steps = np.asarray(value, dtype=np.float64)
+
     def _settle_steps(self) -> None:
         """Count the updates whose parameters' activity was all-reduced on the device. Called where the
         copies are long done: the next iteration's first hook, or a reader of ``steps`` (checkpoints)."""
