@@ -3,7 +3,8 @@
 Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus keyword-only
 options shared by all:
 
-    ddp             the DistributedDataParallel module whose buckets are sharded (required)
+    ddp             the DistributedDataParallel module whose buckets are sharded; or leave it out
+                    and call ``opt.attach(ddp)`` once the DDP exists (build first, attach later)
     grad_reduce     "reduce_scatter" (default; each rank receives only its slice, ZeRO-2 traffic)
                     or "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient)
     overlap         "bucket" (default; update each bucket as its reduction completes),
@@ -20,13 +21,17 @@ options shared by all:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, sharded_checkpoint
 from .algorithms import AdamFamily, SGDAlgorithm
 from .engine import Engine
+from .options import ShardingOptions
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -72,27 +77,75 @@ class _ShardedState(Mapping):
 
 
 class _ShardedOptimizer(torch.optim.Optimizer):
-    """Shared plumbing: validates torch-only flags, builds the Engine, forwards step()."""
+    """Shared plumbing: validates torch-only flags, builds the Engine when attached, forwards step().
+
+    Built without ``ddp=``, an optimizer is *unattached*: it holds param_groups (so LR schedulers and
+    frameworks that wrap optimizers can be set up) but no state and no comm hook. ``attach(ddp)`` lays
+    out the state and registers the hook. Until then ``step()`` raises, and so does a backward that
+    produces gradients for its parameters (plain DDP would all-reduce them and no update could ever
+    use them); ``state_dict()`` returns torch.optim's dict of a fresh optimizer (empty state: nothing
+    can have stepped), which frameworks round-trip when they wrap the optimizer.
+    """
 
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
     # param.grad itself, which would be too late here (see step()).
     _step_supports_amp_scaling = True
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
-        """``options``: the keyword-only sharding options of the module docstring (Engine checks them;
-        an unknown one is a TypeError naming it). foreach and fused are accepted for drop-in
-        compatibility and ignored: the update is always one fused kernel."""
-        if ddp is None:
-            raise TypeError(f"{type(self).__name__} needs ddp=<the DistributedDataParallel module>")
+        """``options``: the keyword-only sharding options of the module docstring (an unknown one is a
+        TypeError naming it). foreach and fused are accepted for drop-in compatibility and ignored: the
+        update is always one fused kernel."""
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
-        self._engine = Engine(self, ddp, algorithm, **options)
+        _check_options(options)
+        self._algorithm = algorithm
+        self._options = dict(options)
+        self._engine: Engine | None = None
+        self.state = MappingProxyType({})  # no state until attached
+        if ddp is None:
+            self._unattached_hooks = _guard_unattached(self)
+        else:
+            self.attach(ddp)
+
+    def attach(self, ddp, **options) -> None:
+        """Shard this optimizer's state over ``ddp``'s buckets and register its comm hook: what
+        ``ddp=`` at construction does, for an optimizer built before its DDP module existed.
+
+        ``options`` are sharding options (see the module docstring) added to those given at
+        construction; giving one both times with different values is an error. Attach once, to the
+        DDP module that wraps exactly the optimizer's trainable parameters.
+        """
+        if getattr(self, "_engine", None) is not None:
+            raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
+                               "shards one DDP's buckets, once")
+        _check_ddp(ddp)
+        for name, value in options.items():
+            if name in self._options and self._options[name] != value:
+                raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
+                                 "construction; give it once")
+        merged = {**self._options, **options}
+        _check_options(merged)
+        self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
+        self._engine = Engine(self, ddp, self._algorithm, **merged)
+        self._options = merged
         self.state = _ShardedState(self._engine)
-        self._started = True
+        for handle in getattr(self, "_unattached_hooks", ()):
+            handle.remove()
+        self._unattached_hooks = ()
+
+    @property
+    def attached(self) -> bool:
+        """Whether ``attach(ddp)`` (or ``ddp=`` at construction) has run."""
+        return self._engine is not None
+
+    def _attached_engine(self, what: str) -> Engine:
+        if self._engine is None:
+            raise RuntimeError(_not_attached(self, what))
+        return self._engine
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_started", False):
-            raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces at construction; "
+        if getattr(self, "_engine", None) is not None:
+            raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces when attached; "
                                "add_param_group afterwards is not supported")
         super().add_param_group(param_group)
 
@@ -104,20 +157,21 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("torch.amp.GradScaler is not supported yet: the loss scale must be known "
                                "before the updates that run during backward. Train in bf16 (no loss "
                                "scaling needed) or fp32")
+        engine = self._attached_engine("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._engine.iteration.invoked == 0 and checkpoint.is_state_init_step(self._engine):
-            checkpoint.run_state_init_step(self._engine)  # torch.distributed.checkpoint's helpers do this
+        if engine.iteration.invoked == 0 and checkpoint.is_state_init_step(engine):
+            checkpoint.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
-        self._engine.step()
+        engine.step()
         return loss
 
     def synchronize(self) -> None:
         """Wait until every parameter holds its updated value. Needed only with param_sync="forward",
         before reading parameters outside the modules' forward passes."""
-        self._engine.synchronize()
+        self._attached_engine("synchronize()").synchronize()
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
@@ -126,7 +180,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         a small replicated tail per bucket, see layout.py); ``reference_state``: torch.optim's fp32 state for the
         same parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """
-        shards = self._engine.shards()
+        shards = self._attached_engine("memory()").shards()
         numel = sum(s.layout.numel for s in shards)
         per_elem = 4 * (len(self._engine.algo.state_names()))
         masters = sum(s.layout.numel * 4 for s in shards if "master" in s.state)
@@ -142,13 +196,22 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... and, for bf16/fp16
         parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is. A collective: call it
         on every rank. ``to=None``: every rank gets the whole dict; ``to=r``: only rank r does (the
-        others get None), gathered bucket by bucket."""
+        others get None), gathered bucket by bucket. Unattached: torch.optim's dict of a fresh optimizer
+        (no state; no collective)."""
+        if self._engine is None:
+            return super().state_dict()
         return checkpoint.state_dict(self._engine, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
         checking all of it: a refused dict raises and changes nothing. Load the model's weights first.
-        Call on every rank."""
+        Call on every rank. Unattached: only a dict without per-parameter state (param_groups only) loads."""
+        if self._engine is None:
+            if state_dict.get("state"):
+                raise RuntimeError(_not_attached(self, "load_state_dict() of a dict with optimizer state"))
+            super().load_state_dict(state_dict)
+            self.state = MappingProxyType({})
+            return
         checkpoint.load_state_dict(self._engine, state_dict)
 
     def sharded_state_dict(self) -> dict:
@@ -156,12 +219,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         as ShardedTensors over each parameter's flattened state (see sharded_checkpoint.py).
         ``dcp.save(opt.sharded_state_dict(), ...)``; to load, ``sd = opt.sharded_state_dict();
         dcp.load(sd, ...); opt.load_sharded_state_dict(sd)`` at any world size or bucket layout."""
-        return sharded_checkpoint.sharded_state_dict(self._engine)
+        return sharded_checkpoint.sharded_state_dict(self._attached_engine("sharded_state_dict()"))
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
         all of it on every rank: a refused dict raises and changes nothing."""
-        sharded_checkpoint.load_sharded_state_dict(self._engine, state_dict)
+        sharded_checkpoint.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
 
 
 class AdamW(_ShardedOptimizer):
@@ -199,3 +262,57 @@ class SGD(_ShardedOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults)
         self._start(ddp, SGDAlgorithm(self.param_groups), options, differentiable=differentiable)
+
+
+def _check_options(options: dict) -> None:
+    """Names and values of the sharding options, checked without a DDP module (Engine checks them again)."""
+    try:
+        ShardingOptions(**options)
+    except TypeError as e:
+        known = ", ".join(ShardingOptions.__dataclass_fields__)
+        raise TypeError(f"{e}: the sharding options are {known}") from None
+
+
+def _not_attached(opt, what: str) -> str:
+    return (f"{what} needs this {type(opt).__name__} attached to its DDP module, and it is not: call "
+            "opt.attach(ddp) once the model is wrapped in DistributedDataParallel, or pass ddp= at "
+            "construction (Lightning: fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
+            "fused_zero.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare)")
+
+
+def _check_ddp(ddp) -> None:
+    """``ddp`` must be the DistributedDataParallel module itself: its buckets are what gets sharded."""
+    if isinstance(ddp, DistributedDataParallel):
+        return
+    kind = f"{type(ddp).__module__}.{type(ddp).__qualname__}"
+    inner = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
+    if isinstance(inner, DistributedDataParallel):
+        hint = "; it wraps a DistributedDataParallel: pass that DDP module itself"
+    elif "FullyShardedDataParallel" in kind or type(ddp).__name__.startswith("FSDP"):
+        hint = "; FSDP shards parameters and optimizer state itself: fused_zero shards DDP's buckets"
+    elif isinstance(ddp, torch.nn.Module):
+        hint = "; wrap the model first: ddp = DistributedDataParallel(model), then pass ddp"
+    else:
+        hint = ""
+    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module, got {kind}{hint}")
+
+
+def _guard_unattached(opt) -> list:
+    """Hooks that make a backward producing gradients for an unattached optimizer's parameters raise.
+    They hold the optimizer weakly and go away with it, so a discarded optimizer leaves no trap."""
+    ref = weakref.ref(opt)
+
+    def hook(param):
+        o = ref()
+        if o is not None and o._engine is None:
+            raise RuntimeError(_not_attached(o, "a backward through its parameters"))
+
+    handles = [p.register_post_accumulate_grad_hook(hook)
+               for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    weakref.finalize(opt, _remove_all, handles)
+    return handles
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()

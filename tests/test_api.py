@@ -43,7 +43,7 @@ def construction_errors(rank, world):
                        "max_grad_norm must be > 0"))
     out.append(_expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr"))
     out.append(_expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta"))
-    out.append(_expect(lambda: AdamW(params), TypeError, "needs ddp="))
+    out.append(_expect(lambda: AdamW(params, ddp=model), TypeError, "got .*OddNet; wrap the model first"))
     out.append(_expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding"))
     out.append(_expect(lambda: AdamW(params, ddp=ddp, capturable=True), ValueError, "capturable"))
     out.append(_expect(lambda: fused_zero.SGD(params, lr=0.1, nesterov=True, ddp=ddp), ValueError, "Nesterov"))
