@@ -117,8 +117,8 @@ class Engine:
         self.track_used = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.used_local = np.zeros(len(self.params), dtype=bool)
         self.used_static: np.ndarray | None = None  # static graph: the global used map, once known
+        self._handles = hooks.register(self)  # first: a DDP that already has a comm hook is refused before rebinding
         self.registry.install_initial_layout(ddp.module, self.pid_of)
-        self._handles = hooks.register(self)
         if self.backend == "triton":
             self._compile_kernels()
 

@@ -13,6 +13,10 @@ def register(engine) -> list:
     try:
         ddp.register_comm_hook(engine, _comm_hook)
     except RuntimeError as e:
+        # DDP records the refused hook before its reducer refuses it: drop it, and with it the engine
+        recorded = getattr(ddp, "_comm_hooks", [])
+        if recorded and recorded[-1][1] is engine:
+            recorded.pop()
         raise RuntimeError(
             "this DDP module already has a comm hook; fused_zero registers its own to update each "
             "bucket as it is reduced. Build the DDP without register_comm_hook, or build one "
