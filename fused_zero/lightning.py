@@ -1,0 +1,128 @@
+"""PyTorch Lightning: ``Trainer(strategy=FusedZeroStrategy(...))`` with ``configure_optimizers`` returning
+a fused_zero optimizer built from ``self.parameters()``.
+
+Lightning wraps the module in DDP before it calls ``configure_optimizers``; the strategy then attaches
+the optimizer to that DDP module (``opt.attach``). What Lightning does around the optimizer is mapped or
+refused here, at setup:
+
+- ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` becomes the optimizer's
+  ``max_grad_norm`` (it needs ``overlap="step"``: only then are all gradients reduced before any
+  update), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by value is refused.
+- ``precision="16-mixed"`` (a GradScaler) is refused until fused_zero supports loss scaling;
+  ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit work.
+- ``accumulate_grad_batches`` works through Lightning's own ``no_sync``; LR schedulers as usual.
+- Checkpoints: ``optimizer.state_dict()`` is a collective, and this strategy asks for it on every
+  rank (Lightning builds the checkpoint dict on every rank and writes it from rank 0).
+
+Needs the ``lightning`` extra: ``pip install "fused-zero[lightning]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+from .optimizer import _ShardedOptimizer
+
+_SHARDING_OPTIONS = ("grad_reduce", "overlap", "master_weights", "param_sync", "backend")
+
+
+class FusedZeroStrategy(DDPStrategy):
+    """DDP with a fused_zero optimizer attached to the DDP module.
+
+    Args:
+        grad_reduce, overlap, master_weights, param_sync, backend: fused_zero's sharding options (see
+            ``fused_zero.AdamW``); left as None, the optimizer's own (or the default) apply.
+        **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``, ``static_graph``,
+            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``process_group_backend``, ...).
+    """
+
+    strategy_name = "fused_zero"
+
+    def __init__(self, *, grad_reduce: str | None = None, overlap: str | None = None,
+                 master_weights: bool | None = None, param_sync: str | None = None, backend: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        given = dict(grad_reduce=grad_reduce, overlap=overlap, master_weights=master_weights,
+                     param_sync=param_sync, backend=backend)
+        self._sharding = {k: v for k, v in given.items() if v is not None}
+        self._max_grad_norm: float | None = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        _refuse_loss_scaling(self.precision_plugin)
+        super().setup(trainer)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        ours = [o for o in self.optimizers if isinstance(o, _ShardedOptimizer)]
+        if len(self.optimizers) != 1 or not ours:
+            kinds = [type(o).__name__ for o in self.optimizers]
+            raise TypeError("FusedZeroStrategy needs configure_optimizers to return exactly one fused_zero "
+                            f"optimizer (e.g. fused_zero.AdamW(self.parameters(), ...)); got {kinds}. Use "
+                            "strategy='ddp' for torch.optim optimizers")
+        opt = ours[0]
+        options = dict(self._sharding)
+        clip = self._map_gradient_clipping(trainer, opt)
+        if clip is not None:
+            options["max_grad_norm"] = clip
+        if opt.attached:  # built with ddp=self.trainer.strategy.model: nothing left to do but check
+            if opt._engine.ddp is not self.model:
+                raise RuntimeError("the optimizer is attached to another DDP module than the strategy's")
+            if options:
+                raise ValueError(f"the optimizer was attached in configure_optimizers; give {sorted(options)} "
+                                 "there, not to FusedZeroStrategy")
+        else:
+            opt.attach(self.model, **options)
+        self._wrap_clipping(opt)
+
+    def _map_gradient_clipping(self, trainer: pl.Trainer, opt: _ShardedOptimizer) -> float | None:
+        """``Trainer(gradient_clip_val=...)`` as the optimizer's max_grad_norm, or a refusal saying why."""
+        value = trainer.gradient_clip_val
+        if value is None or value <= 0:
+            return None
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+                        or "norm").lower()
+        if algorithm != "norm":
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r} is not supported with FusedZeroStrategy: "
+                             "fused_zero sees the reduced gradients only inside its update; clip by norm "
+                             "(gradient_clip_algorithm='norm'), which maps to the optimizer's max_grad_norm")
+        overlap = self._sharding.get("overlap", opt._options.get("overlap", "bucket"))
+        if overlap != "step":
+            raise ValueError(f"gradient_clip_val needs FusedZeroStrategy(overlap='step') (got overlap={overlap!r}): "
+                             "the global gradient norm is known only once every bucket is reduced, and the "
+                             "other modes update the parameters during the backward")
+        self._max_grad_norm = float(value)
+        return self._max_grad_norm
+
+    def _wrap_clipping(self, opt: _ShardedOptimizer) -> None:
+        """Lightning clips ``param.grad`` between the backward and ``step()``; the optimizer clips the
+        reduced gradients itself (``max_grad_norm``), so Lightning's clipping of our optimizer is skipped,
+        and a request the optimizer would not honour (another value, by value) raises."""
+        plugin = self.precision_plugin
+        original = plugin.clip_gradients
+        mapped = self._max_grad_norm
+
+        def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+            if getattr(optimizer, "_optimizer", optimizer) is not opt or not clip_val or clip_val <= 0:
+                return original(optimizer, clip_val, gradient_clip_algorithm)
+            algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
+            if algorithm != "norm" or clip_val != mapped:
+                raise RuntimeError(f"clip_gradients({clip_val}, {algorithm!r}) cannot be applied by fused_zero: "
+                                   f"it clips by norm at the value of Trainer(gradient_clip_val=...) "
+                                   f"({mapped}), inside step()")
+            return None  # the optimizer clips in step()
+
+        plugin.clip_gradients = clip_gradients
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer's canonical state dict, on every rank: ``state_dict()`` is a collective."""
+        return getattr(optimizer, "_optimizer", optimizer).state_dict()
+
+
+def _refuse_loss_scaling(plugin) -> None:
+    """The one place to lift when fused_zero supports torch.amp.GradScaler."""
+    if getattr(plugin, "scaler", None) is not None:
+        raise ValueError("precision='16-mixed' needs torch.amp.GradScaler, which fused_zero does not support "
+                         "yet; use precision='bf16-mixed', 'bf16-true' or '32-true'")

@@ -1,0 +1,156 @@
+"""Lightning runs on every rank (imported only inside spawned ranks: Lightning's import is slow).
+
+Each case fits the same small model twice on the same data, with Lightning + torch.optim.AdamW under
+plain DDP and with FusedZeroStrategy + fused_zero.AdamW, and records every parameter after every
+training batch; a rank returns what differs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fused_zero
+from fused_zero.lightning import FusedZeroStrategy
+
+BATCH = 4
+
+
+class Net(pl.LightningModule):
+    def __init__(self, optimizer: str = "fused", scheduler: bool = False, **opt_kwargs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = nn.Linear(8, 33), nn.Linear(33, 17), nn.Linear(17, 5)
+        self.optimizer, self.scheduler, self.opt_kwargs = optimizer, scheduler, opt_kwargs
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x.to(self.l1.weight.dtype)))))
+        return F.cross_entropy(self.l3(h).float(), y)
+
+    def configure_optimizers(self):
+        cls = fused_zero.AdamW if self.optimizer == "fused" else torch.optim.AdamW
+        extra = self.opt_kwargs if self.optimizer == "fused" else {"foreach": False}
+        opt = cls(self.parameters(), lr=0.02, weight_decay=0.1, **extra)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Record(pl.Callback):
+    """Every parameter after every training batch."""
+
+    def __init__(self):
+        self.params = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.params.append([p.detach().float().clone() for p in pl_module.parameters()])
+
+
+def loader(batches_per_rank: int, world: int) -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    n = batches_per_rank * BATCH * world
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
+    return DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+def fit(model, strategy, world, tmp, *, batches, epochs=1, callbacks=(), ckpt_path=None, **trainer_kw):
+    record = Record()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                         num_sanity_val_steps=0, default_root_dir=tmp, callbacks=[record, *callbacks],
+                         **trainer_kw)
+    trainer.fit(model, loader(batches, world), ckpt_path=ckpt_path)
+    return record.params
+
+
+def differences(ours, ref, rank, exact=True):
+    assert len(ours) == len(ref) > 0, (len(ours), len(ref))
+    out = []
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        for i, (p, q) in enumerate(zip(a, b)):
+            same = torch.equal(p, q) if exact else torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+            if not same:
+                out.append(f"rank {rank} batch {step} param {i}: max diff {float((p - q).abs().max()):.3g}")
+    return out
+
+
+def refusal(fn, exc, pattern) -> str:
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        return "ok" if re.search(pattern, msg) else f"{type(e).__name__}: {msg!r} does not match {pattern!r}"
+    return f"no {exc.__name__} matching {pattern!r}"
+
+
+def run(rank: int, world: int, tmp: str) -> dict:
+    # what a launcher (torchrun, Lightning's own) sets; the process group is already initialized
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    warnings.filterwarnings("ignore")
+    out = {}
+    steps = 6
+
+    ref = fit(Net("torch"), DDPStrategy(), world, tmp, batches=steps)
+    out["plain"] = differences(fit(Net(), FusedZeroStrategy(), world, tmp, batches=steps), ref, rank)
+
+    ref = fit(Net("torch"), DDPStrategy(), world, tmp, batches=2 * steps, accumulate_grad_batches=2)
+    ours = fit(Net(), FusedZeroStrategy(grad_reduce="all_reduce"), world, tmp, batches=2 * steps,
+               accumulate_grad_batches=2)
+    out["accumulate"] = differences(ours, ref, rank)
+
+    ref = fit(Net("torch", scheduler=True), DDPStrategy(), world, tmp, batches=steps)
+    ours = fit(Net(scheduler=True), FusedZeroStrategy(overlap="step"), world, tmp, batches=steps)
+    out["scheduler"] = differences(ours, ref, rank)
+
+    ref = fit(Net("torch"), DDPStrategy(), world, tmp, batches=steps, gradient_clip_val=0.05)
+    ours = fit(Net(), FusedZeroStrategy(overlap="step"), world, tmp, batches=steps, gradient_clip_val=0.05)
+    out["clip"] = differences(ours, ref, rank, exact=False)  # the norm is summed in another order
+    out["clip_moved"] = not torch.equal(ours[-1][0], fit(Net(), FusedZeroStrategy(overlap="step"), world, tmp,
+                                                          batches=steps)[-1][0])
+
+    # ModelCheckpoint at the end of epoch 0 (3 steps); resume from it for epoch 1
+    ckdir = os.path.join(tmp, "ckpt")
+    whole = fit(Net(scheduler=True), FusedZeroStrategy(), world, tmp, batches=3, epochs=2,
+                callbacks=[ModelCheckpoint(dirpath=ckdir, save_top_k=-1)])
+    first = os.path.join(ckdir, "epoch=0-step=3.ckpt")
+    resumed = fit(Net(scheduler=True), FusedZeroStrategy(), world, tmp, batches=3, epochs=2, ckpt_path=first)
+    out["resume"] = differences(resumed, whole[3:], rank)
+
+    bf16 = fit(Net(), FusedZeroStrategy(), world, tmp, batches=3, precision="bf16-true")
+    flat = torch.cat([p.reshape(-1) for p in bf16[-1]])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    out["bf16"] = [bool(flat.isfinite().all()), all(torch.equal(g, flat) for g in gathered),
+                   not torch.equal(bf16[0][0], bf16[-1][0])]
+
+    def fails(**kw):
+        strategy = kw.pop("strategy", None) or FusedZeroStrategy()
+        return lambda: fit(kw.pop("model", None) or Net(), strategy, world, tmp, batches=2, **kw)
+
+    out["refusals"] = [
+        refusal(fails(gradient_clip_val=1.0), ValueError,
+                r"gradient_clip_val needs FusedZeroStrategy\(overlap='step'\) \(got overlap='bucket'\)"),
+        refusal(fails(strategy=FusedZeroStrategy(overlap="step"), gradient_clip_val=1.0,
+                      gradient_clip_algorithm="value"), ValueError, "gradient_clip_algorithm='value' is not supported"),
+        # on CPU Lightning turns precision="16-mixed" into bf16; its GPU form is this plugin, with a scaler
+        refusal(fails(plugins=[MixedPrecision("16-mixed", "cpu")]), ValueError,
+                "16-mixed' needs torch.amp.GradScaler"),
+        refusal(fails(model=Net("torch")), TypeError, r"exactly one fused_zero optimizer .*\['AdamW'\]"),
+        refusal(fails(model=Net(overlap="step"), strategy=FusedZeroStrategy(overlap="bucket")), ValueError,
+                "given to attach.*give it once"),
+    ]
+    return out
