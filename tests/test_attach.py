@@ -1,6 +1,7 @@
 """Build first, attach later: an optimizer built without ddp= refuses to train until attach(ddp), attach
 raises what construction raises, and a late attach trains exactly as ddp= at construction does."""
 
+import functools
 import gc
 import re
 
@@ -73,7 +74,7 @@ def unattached_and_attach_errors(rank, world):
     out.append(str(opt.attached))
     out.append(_expect(lambda: opt.attach(ddp), RuntimeError, "already attached"))
     other = fused_zero.AdamW(model.parameters())
-    out.append(_expect(lambda: other.attach(ddp), RuntimeError, "already has a comm hook"))
+    out.append(_expect(functools.partial(other.attach, ddp), RuntimeError, "already has a comm hook"))
     del other  # unattached, it would refuse the backward below: its parameters are the model's
     gc.collect()
     _loss(ddp, 0, rank).backward()
