@@ -1,0 +1,113 @@
+"""Hugging Face Accelerate: build the fused_zero optimizer as any other, prepare, then attach it.
+
+    optimizer = fused_zero.AdamW(model.parameters(), lr=3e-4)          # no ddp= yet
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    fused_zero.accelerate.attach(accelerator, model, optimizer)        # model is now the DDP module
+
+Accelerate builds the DDP module inside ``prepare`` (as it builds DeepSpeed's engine or FSDP there), so
+the attachment comes right after it. Then the usual loop works: ``accelerator.backward``,
+``accelerator.accumulate`` (DDP's ``no_sync``; the wrapped optimizer skips non-sync steps),
+``accelerator.save_state`` / ``load_state`` (``state_dict()`` is called on every rank, as fused_zero
+needs), ``accelerate launch``. ``accelerator.clip_grad_norm_`` of the model's parameters becomes this
+step's ``max_grad_norm`` (``overlap="step"`` only; it returns None, as Accelerate does under DeepSpeed:
+the norm is computed inside ``step()``). Refused with a message: fp16 mixed precision (a GradScaler),
+``clip_grad_value_`` and clipping in the other overlap modes.
+
+Needs the ``accelerate`` extra: ``pip install "fused-zero[accelerate]"``.
+"""
+
+from __future__ import annotations
+
+from accelerate.optimizer import AcceleratedOptimizer
+
+from .optimizer import _ShardedOptimizer
+
+
+def attach(accelerator, model, optimizer, **options) -> None:
+    """Attach ``optimizer`` (what ``accelerator.prepare`` returned for a fused_zero optimizer) to
+    ``model`` (what it returned for the model: a DistributedDataParallel module) and route
+    ``accelerator.clip_grad_norm_`` of its parameters to the optimizer. ``options``: sharding options
+    not given at construction (see ``fused_zero.AdamW``)."""
+    opt = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+    if not isinstance(opt, _ShardedOptimizer):
+        raise TypeError(f"attach needs the fused_zero optimizer that accelerator.prepare returned, got "
+                        f"{type(opt).__module__}.{type(opt).__qualname__}")
+    if getattr(accelerator, "scaler", None) is not None:
+        raise ValueError("mixed_precision='fp16' needs torch.amp.GradScaler, which fused_zero does not support "
+                         "yet; use mixed_precision='bf16' or 'no'")
+    opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
+    _route_clipping(accelerator, opt)
+    _unshare_saved_weights(accelerator, model)
+
+
+def _route_clipping(accelerator, opt: _ShardedOptimizer) -> None:
+    """Accelerate clips ``param.grad`` between the backward and ``step()``, which fused_zero never reads
+    there; so a clip of the optimizer's parameters sets the norm its next ``step()`` clips to."""
+    engine = opt._engine
+    ours = {id(p) for p in engine.params}
+    base = engine.max_grad_norm
+    clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        params = list(parameters)
+        if not any(id(p) in ours for p in params):
+            return clip_norm(params, max_norm, norm_type)
+        if engine.overlap != "step":
+            raise RuntimeError(f"accelerator.clip_grad_norm_ with fused_zero needs overlap='step' (got "
+                               f"overlap={engine.overlap!r}): the global gradient norm is known only once every "
+                               "bucket is reduced, and the other modes update the parameters during the backward")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"fused_zero clips by the 2-norm; got norm_type={norm_type}")
+        if not ours <= {id(p) for p in params}:
+            raise ValueError("fused_zero clips all of the optimizer's parameters together; pass them all "
+                             "(model.parameters())")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        engine.max_grad_norm = float(max_norm)
+        return None
+
+    def clip_grad_value_(parameters, clip_value_):
+        params = list(parameters)
+        if any(id(p) in ours for p in params):
+            raise RuntimeError("clip_grad_value_ is not supported with fused_zero: it sees the reduced gradients "
+                               "only inside its update; clip by norm (accelerator.clip_grad_norm_, "
+                               "overlap='step')")
+        return clip_value(params, clip_value_)
+
+    def reset(*_):  # a clip applies to the step it precedes, as torch's clip_grad_norm_ does
+        engine.max_grad_norm = base
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator.clip_grad_value_ = clip_grad_value_
+    opt.register_step_post_hook(reset)
+
+
+def _unshare_saved_weights(accelerator, ddp) -> None:
+    """fused_zero's parameters are views into one flat buffer per bucket. safetensors, which
+    ``save_state`` uses by default, takes tensors sharing a storage for tied weights: it would save one
+    of them and drop the rest, and refuses to load into such a model. So the saved weights become
+    host copies, and a load reads the module's state dict as copies too (only while it loads)."""
+
+    def before_save(models, weights, output_dir):
+        for model, state in zip(models, weights):
+            if model is ddp or model is ddp.module:
+                for key, value in state.items():
+                    state[key] = value.detach().to("cpu", copy=True)
+
+    def before_load(models, input_dir):
+        if any(m is ddp or m is ddp.module for m in models):
+            handles = [ddp.module.register_state_dict_post_hook(_copies)]
+
+            def loaded(module, incompatible_keys):
+                for handle in handles:
+                    handle.remove()
+
+            handles.append(ddp.module.register_load_state_dict_post_hook(loaded))
+
+    accelerator.register_save_state_pre_hook(before_save)
+    accelerator.register_load_state_pre_hook(before_load)
+
+
+def _copies(module, state_dict, prefix, local_metadata):
+    for key, value in state_dict.items():
+        state_dict[key] = value.detach().clone()

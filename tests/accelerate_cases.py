@@ -1,0 +1,134 @@
+"""Accelerate loops on every rank, launched as ``accelerate launch`` does: the rank's process group is
+torn down and Accelerate builds its own from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+
+Each loop trains the same model with Accelerate + torch.optim.AdamW and with Accelerate + fused_zero,
+with gradient accumulation and a scheduler, recording every parameter after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fused_zero
+import fused_zero.accelerate
+
+ACCUMULATE, STEPS, BATCH = 2, 6, 4
+
+
+def model_and_data(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 5))
+    g = torch.Generator().manual_seed(7)
+    n = STEPS * ACCUMULATE * BATCH * world
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
+    return model, DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=None):
+    """Returns the parameters after every optimizer step (and what clip_grad_norm_ returned)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    model, loader = model_and_data(world)
+    if fused:
+        opt = fused_zero.AdamW(model.parameters(), lr=0.02, weight_decay=0.1, **(options or {}))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1, foreach=False)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)  # built before prepare, as users do
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    if fused:
+        fused_zero.accelerate.attach(accelerator, model, opt)
+    skip = 0
+    if load is not None:
+        accelerator.load_state(load)
+        skip = save_at * ACCUMULATE
+        loader = accelerator.skip_first_batches(loader, skip)
+    record, returned = [], []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            if clip is not None and accelerator.sync_gradients:
+                returned.append(accelerator.clip_grad_norm_(model.parameters(), clip))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            record.append([p.detach().clone() for p in model.parameters()])
+            if save_at is not None and load is None and len(record) == save_at:
+                accelerator.save_state("state")  # every rank calls it: the optimizer's state_dict() is a collective
+    return record, returned, accelerator
+
+
+def differences(ours, ref, exact=True):
+    assert len(ours) == len(ref) > 0, (len(ours), len(ref))
+    out = []
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        for i, (p, q) in enumerate(zip(a, b)):
+            if not (torch.equal(p, q) if exact else torch.allclose(p, q, rtol=1e-5, atol=1e-6)):
+                out.append(f"step {step} param {i}: max diff {float((p - q).abs().max()):.3g}")
+    return out
+
+
+def refusal(fn, exc, pattern) -> str:
+    try:
+        fn()
+    except exc as e:
+        return "ok" if re.search(pattern, str(e)) else f"{type(e).__name__}: {e!s} does not match {pattern!r}"
+    return f"no {exc.__name__} matching {pattern!r}"
+
+
+def run(rank: int, world: int, port: int, tmp: str) -> dict:
+    dist.destroy_process_group()  # the spawner's; Accelerate initializes its own from the launcher's env
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(tmp)
+    out = {}
+    ref, _, _ = train(world, fused=False)
+    ours, _, acc = train(world, fused=True)
+    out["distributed"] = str(acc.distributed_type)
+    out["plain"] = differences(ours, ref)
+
+    ref, _, _ = train(world, fused=False, clip=0.05)
+    ours, returned, _ = train(world, fused=True, clip=0.05, options={"overlap": "step"})
+    unclipped, _, _ = train(world, fused=True, options={"overlap": "step"})
+    out["clip"] = differences(ours, ref, exact=False)  # the norm is summed in another order
+    out["clip_moved"] = not torch.equal(ours[-1][0], unclipped[-1][0])
+    out["clip_returned"] = returned == [None] * STEPS
+
+    whole, _, _ = train(world, fused=True, save_at=3)
+    resumed, _, _ = train(world, fused=True, save_at=3, load=os.path.join(tmp, "state"))
+    out["resume"] = differences(resumed, whole[3:])
+
+    def attached(options=None, fp16=False, torch_opt=False, unwrap=False):
+        accelerator = Accelerator(cpu=True)
+        model, _ = model_and_data(world)
+        opt = (torch.optim.AdamW if torch_opt else fused_zero.AdamW)(model.parameters(), **(options or {}))
+        model, opt = accelerator.prepare(model, opt)
+        if fp16:
+            accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" sets on a GPU
+        fused_zero.accelerate.attach(accelerator, accelerator.unwrap_model(model) if unwrap else model, opt)
+        return accelerator, model
+
+    def clip_in_bucket_mode():
+        accelerator, model = attached()
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+
+    def clip_by_value():
+        accelerator, model = attached({"overlap": "step"})
+        accelerator.clip_grad_value_(model.parameters(), 1.0)
+
+    out["refusals"] = [
+        refusal(clip_in_bucket_mode, RuntimeError, r"clip_grad_norm_ with fused_zero needs overlap='step' "
+                r"\(got overlap='bucket'\)"),
+        refusal(clip_by_value, RuntimeError, "clip_grad_value_ is not supported"),
+        refusal(lambda: attached(fp16=True), ValueError, "mixed_precision='fp16' needs torch.amp.GradScaler"),
+        refusal(lambda: attached(torch_opt=True), TypeError, "needs the fused_zero optimizer .*torch.optim"),
+        refusal(lambda: attached(unwrap=True), TypeError, "got torch.nn.modules.container.Sequential"),
+    ]
+    return out
