@@ -35,6 +35,11 @@ def attach(accelerator, model, optimizer, **options) -> None:
     if getattr(accelerator, "scaler", None) is not None:
         raise ValueError("mixed_precision='fp16' needs torch.amp.GradScaler, which fused_zero does not support "
                          "yet; use mixed_precision='bf16' or 'no'")
+    if "DistributedDataParallel" not in type(model).__name__ and accelerator.num_processes == 1:
+        raise TypeError(f"accelerator.prepare returned a {type(model).__name__}, not a DistributedDataParallel "
+                        "module: this is one process. fused_zero shards over DDP ranks: launch several "
+                        "(accelerate launch --multi_gpu --num_processes N script.py; on CPUs build "
+                        "Accelerator(cpu=True))")
     opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
     _route_clipping(accelerator, opt)
     _unshare_saved_weights(accelerator, model)
