@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from . import hooks
 from .algorithms import Algorithm, UpdateArgs, clip_coefficient
+from .amp import ScalerLink
 from .collectives import all_gather, reduce_scatter
+from .grad_watch import GradWatch
 from .kernels import Segments
 from .options import ShardingOptions, collect_params
 from .profiling import range_push
@@ -63,6 +65,10 @@ class _Iteration:
         invoked: buckets handed to the hook.
         last_invoked: the hook has seen DDP's last bucket.
         ready: buckets whose reduction was started but which are not updated yet.
+        grad_scale: the loss scale the reduced gradients carry (GradScaler), or None.
+        found_inf: one-element device flag, non-zero once an update of this iteration was skipped
+            (non-finite gradients on some rank, or a user's edit to ``.grad`` that cannot be honored).
+        edited: a user's edit to ``.grad`` (``overlap="step"``: this rank's, then any rank's on CPU).
     """
 
     hparams: list[dict] | None = None
@@ -70,6 +76,9 @@ class _Iteration:
     invoked: int = 0
     last_invoked: bool = False
     ready: list[_Reduced] = field(default_factory=list)
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    edited: bool = False
 
 
 class Engine:
@@ -82,6 +91,9 @@ class Engine:
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
+        scaler: the user's GradScaler (ScalerLink), or None.
+        skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
+        watch: notices a user's edits to ``.grad`` between backward and step() (GradWatch).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
@@ -93,6 +105,9 @@ class Engine:
         self.grad_reduce = self.options.grad_reduce
         self.max_grad_norm = self.options.max_grad_norm
         self.param_sync = self.options.param_sync
+        self.on_nonfinite = self.options.on_nonfinite
+        scaler = self.options.grad_scaler
+        self.scaler = ScalerLink(scaler, optimizer) if scaler is not None else None
         self.group = ddp.process_group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -108,6 +123,8 @@ class Engine:
         self.grad_div = np.array([1.0 if self._pre_divides(p.dtype) else float(self.world) for p in self.params])
         self.side = SideStream(self.device)
         self.iteration = _Iteration()
+        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.watch = GradWatch(self.params)
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             grad_in_region=self.grad_reduce == "reduce_scatter" and self.world > 1,
@@ -125,6 +142,12 @@ class Engine:
     @property
     def layout_changes(self) -> int:
         return self.registry.layout_changes
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank's reduced gradients held an inf or NaN (reading it waits
+        for the device)."""
+        return int(self.skipped)
 
     @property
     def steps(self) -> np.ndarray:
@@ -166,9 +189,10 @@ class Engine:
         rows = [(0, 1, 0, 0, 0)]
         segments = Segments.build(rows, self.device)
         clip = one() if self.max_grad_norm is not None else None
-        self.algo.update("triton", rows, segments, coefs, UpdateArgs(one(dtype), one(dtype), state, clip_coef=clip))
-        if self.max_grad_norm is not None:
-            self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype))
+        scale = one() if self.scaler is not None else None
+        self.algo.update("triton", rows, segments, coefs, UpdateArgs(
+            one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip))
+        self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype), scale)
 
     # ------------------------------------------------------------------ the comm hook
 
@@ -214,11 +238,19 @@ class Engine:
         it.ready.append(_Reduced(shard, active, works))
         it.invoked += 1
         it.last_invoked = bucket.is_last()
+        if it.found_inf is None:
+            it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if it.last_invoked:
+            self.watch.arm()
+            if self.scaler is not None and self.scaler.enabled:
+                if self.overlap == "backward":
+                    it.grad_scale = self.scaler.scale()
+                self.scaler.prepare(it.found_inf)
         if self.overlap == "bucket":
             keep = 0 if (it.last_invoked or self.side.stream is not None) else 1
             self._finish(it, len(it.ready) - keep)
         elif self.overlap == "backward" and it.last_invoked:
-            self._finish(it, len(it.ready))
+            self._finish(it, len(it.ready), self.max_grad_norm)
         if self.grad_reduce == "all_reduce" and self.world > 1:
             return works[-1].get_future().then(lambda _: buffer)
         fut = torch.futures.Future()
@@ -281,16 +313,18 @@ class Engine:
 
     # ------------------------------------------------------------------ update
 
-    def _finish(self, it: _Iteration, count: int, max_norm: float | None = None) -> None:
+    def _finish(self, it: _Iteration, count: int, max_norm: float | None = None, follow: bool = False) -> None:
         """Wait for the first ``count`` ready reductions and update those buckets.
 
         On CUDA the waits are made by the side stream, so the backward's own stream never waits
-        for communication.
+        for communication. ``follow``: the side stream also waits for the current stream (the update
+        reads something queued there after the backward: the user's edit of ``.grad``, GradScaler's
+        scale tensor).
         """
         todo, it.ready = it.ready[:count], it.ready[count:]
         if not todo:
             return
-        with self.side.run(follow_current=self.world == 1):
+        with self.side.run(follow_current=self.world == 1 or follow):
             for item in todo:
                 for w in item.works:
                     w.wait()
@@ -318,32 +352,59 @@ class Engine:
         return self.side.upload(self._coefficient_table(it.hparams, mask))
 
     def _update(self, it: _Iteration, items: list[_Reduced], max_norm: float | None = None) -> None:
+        """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
+        is written, on every rank, and their step counts stay)."""
+        pending = len(self._pending_steps)
         coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
         for item in items:
             item.shard.wait_gather()
-        clip = self._clip_coef(items, coefs, max_norm) if max_norm is not None else None
+        found, clip = self._check(it, items, coefs, max_norm)
+        torch.maximum(it.found_inf, found, out=it.found_inf)
+        skip = self._host_flag(found)
+        if skip:  # the used flags of a skipped update count no step
+            del self._pending_steps[pending:]
         for item, table in zip(items, coefs):
             shard = item.shard
+            grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
+            shard.reduced_buffer = None
+            if skip:
+                continue
             with range_push(f"fused_zero.update[{shard.layout.numel}]"):
-                grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
-                self.algo.update(self.backend, shard.rows, shard.segments, table,
-                                 UpdateArgs(grad, shard.param_buffer, shard.state, clip_coef=clip))
+                self.algo.update(self.backend, shard.rows, shard.segments, table, UpdateArgs(
+                    grad, shard.param_buffer, shard.state, grad_scale=it.grad_scale, found_inf=found,
+                    clip_coef=clip))
             self.side.mark_updated()
             if not isinstance(item.active, _UsedFlags):  # else counted from the flags (_settle_steps)
                 self._steps[shard.pids] += item.active
-            shard.reduced_buffer = None
             self._start_gather(shard)
 
-    def _clip_coef(self, items: list[_Reduced], tables: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _check(self, it: _Iteration, items: list[_Reduced], tables: list[torch.Tensor],
+               max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over this rank's reduced slices of ``items`` (unscaled by the loss scale): the
+        sum of squares and the count of non-finite values, all-reduced with this rank's edit flag in
+        one collective. Returns the skip flag and, with ``max_norm``, the clip coefficient (device
+        tensors: no host sync)."""
+        stats = torch.zeros(3, dtype=torch.float32, device=self.device)
         for item, coefs in zip(items, tables):
             shard = item.shard
             grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
-            sumsq, _ = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs, grad)
-            total += sumsq
+            sumsq, bad = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs, grad,
+                                              it.grad_scale)
+            stats[0] += sumsq
+            stats[1] += bad
+        stats[2] = float(it.edited)
         if self.world > 1:
-            dist.all_reduce(total, group=self.group)
-        return clip_coefficient(total, max_norm)
+            dist.all_reduce(stats, group=self.group)
+        found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
+        it.edited = bool(stats[2] > 0) if self.device.type == "cpu" else it.edited
+        clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
+        return found, clip
+
+    def _host_flag(self, flag: torch.Tensor) -> bool:
+        """A device flag on the host. Step counts live on the host, so a skipped step must be known
+        there; on CPU this is free. TODO(cuda): keep skip counts on the device and fix the table's
+        bias-correction columns there, so that CUDA does not synchronize here."""
+        return bool(flag)
 
     def _start_gather(self, shard: BucketShard) -> None:
         layout = shard.layout
@@ -357,7 +418,9 @@ class Engine:
 
     # ------------------------------------------------------------------ user-facing
 
-    def step(self) -> None:
+    def step(self, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> None:
+        """End the iteration. ``via_scaler``: called by ``GradScaler.step()``, which passes the loss
+        scale the gradients still carry (None after the user's ``scaler.unscale_``)."""
         it = self.iteration
         if it.invoked == 0:
             raise RuntimeError("optimizer.step() found no reduced gradients since the last step: run a "
@@ -365,9 +428,25 @@ class Engine:
                                "before stepping")
         if not it.last_invoked:
             raise RuntimeError("optimizer.step() called while DDP is still reducing gradients")
+        self._check_scaler_use(via_scaler)
+        edited = self.watch.edited()
+        self.watch.clear()
+        honored = bool(edited) and self.overlap == "step" and self.grad_reduce == "all_reduce"
+        if honored:
+            self._write_back(it, edited)  # this mode reads param.grad's values: the edit is honored
+            edited = []
         if self.overlap == "step":  # the updates run now: hyperparameters as they are now
             it.hparams, it.coefs = self._read_hparams(), None
-        self._finish(it, len(it.ready), self.max_grad_norm)
+            if self.scaler is not None and self.scaler.enabled:
+                it.grad_scale = None if grad_scale is None else grad_scale.reshape(1)
+            it.edited = bool(edited)
+            self._finish(it, len(it.ready), self.max_grad_norm, follow=honored or it.grad_scale is not None)
+            edited_anywhere = it.edited
+        else:
+            edited_anywhere = self._any_rank(bool(edited))
+        if self.scaler is not None and self.scaler.enabled:
+            self.scaler.publish(it.found_inf)
+        self.skipped += it.found_inf.to(torch.int64).reshape(())
         if self.track_used and self.used_static is None and getattr(self.ddp, "static_graph", False):
             self.used_static = self._used_on_any_rank(np.arange(len(self.params)))
         self.used_local[:] = False
@@ -379,6 +458,58 @@ class Engine:
             # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
             # it rebuilds them, must not overwrite what an update still reads
             self.side.join_updates()
+        if edited_anywhere:
+            raise RuntimeError(
+                "param.grad was changed between backward and optimizer.step() (torch.nn.utils."
+                "clip_grad_norm_, scaler.unscale_, or another in-place edit), but with overlap="
+                f"{self.overlap!r} and grad_reduce={self.grad_reduce!r} the update does not read param.grad"
+                + (" (it ran during the backward)" if self.overlap != "step" else "")
+                + ". Pass max_grad_norm=... to the optimizer instead of clipping (it clips by the same "
+                "global norm, inside the update; no scaler.unscale_ needed either), or use "
+                "overlap='step' with grad_reduce='all_reduce', which reads param.grad at step(). "
+                + ("This step was skipped on every rank." if self.overlap == "step" else
+                   "This step was applied without the edit."))
+        if self.on_nonfinite == "raise" and self.scaler is None and self._host_flag(it.found_inf):
+            raise FloatingPointError(
+                "the reduced gradients hold an inf or NaN on some rank; the step was skipped on every rank "
+                "(on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts skipped_steps)")
+
+    def _check_scaler_use(self, via_scaler: bool) -> None:
+        linked = self.scaler is not None and self.scaler.enabled
+        if via_scaler and not linked:
+            if self.overlap == "bucket":
+                raise RuntimeError("torch.amp.GradScaler needs overlap='step' or overlap='backward' (with "
+                                   "overlap='bucket' a bucket is updated before later buckets' overflow "
+                                   "check is known); build the optimizer with one of them and grad_scaler=scaler")
+            raise RuntimeError("scaler.step(optimizer) with a fused_zero optimizer that was not given the "
+                               "scaler: build it with grad_scaler=scaler (the loss scale must be known when "
+                               "the gradients are reduced)")
+        if linked and not via_scaler:
+            raise RuntimeError("this optimizer was built with grad_scaler=scaler: step it through "
+                               "scaler.step(optimizer), then scaler.update()")
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank. On CPU an all-reduce (a host value anyway); on CUDA
+        reading it back would synchronize the host, so there each rank answers for itself."""
+        if self.world == 1 or self.device.type != "cpu":
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, group=self.group)
+        return bool(t[0] > 0)
+
+    def _write_back(self, it: _Iteration, pids: list[int]) -> None:
+        """Make the reduced buckets hold the user's edited ``param.grad`` (with gradient_as_bucket_view
+        the edit is there already, unless ``.grad`` was replaced by another tensor)."""
+        buffers = {id(item.shard): item.shard.reduced_buffer for item in it.ready}
+        for pid in pids:
+            shard, local = self.registry.where[pid]
+            g = self.params[pid].grad
+            if g is None:
+                raise RuntimeError(f"param.grad of parameter {pid} was set to None between backward and step()")
+            off, n = shard.layout.offsets[local], shard.layout.numels[local]
+            view = buffers[id(shard)][off:off + n]
+            if view.data_ptr() != g.data_ptr():
+                view.copy_(g.reshape(-1))
 
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""

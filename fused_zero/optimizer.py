@@ -11,7 +11,10 @@ options shared by all:
                     "backward" (update every bucket when the last reduction completes) or
                     "step" (reductions overlap the backward, updates run in ``step()``)
     master_weights  keep fp32 master weights for bf16/fp16 parameters (default: on for them)
-    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" only)
+    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" or "backward")
+    grad_scaler     the torch.amp.GradScaler the loop steps through (overlap="step" or "backward")
+    on_nonfinite    "skip" (default: a step with an inf/NaN gradient on some rank is skipped on every
+                    rank and counted in skipped_steps) or "raise" (skipped, then step() raises)
     param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
                     wait, no host sync) or "forward" (the all-gathers run on behind step() and each
                     module's forward waits only for its own buckets; read parameters elsewhere only
@@ -88,7 +91,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     """
 
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
-    # param.grad itself, which would be too late here (see step()).
+    # param.grad itself: the kernel unscales (see amp.py).
     _step_supports_amp_scaling = True
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
@@ -153,10 +156,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """End the iteration: with overlap="step" run every bucket's update (the others ran them during
         backward); with param_sync="step" return once the parameters hold their new values."""
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            raise RuntimeError("torch.amp.GradScaler is not supported yet: the loss scale must be known "
-                               "before the updates that run during backward. Train in bf16 (no loss "
-                               "scaling needed) or fp32")
         engine = self._attached_engine("step()")
         loss = None
         if closure is not None:
@@ -165,8 +164,16 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if engine.iteration.invoked == 0 and checkpoint.is_state_init_step(engine):
             checkpoint.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
-        engine.step()
+        # torch.amp.GradScaler.step() sets both attributes for the call (amp.py); grad_scale is None
+        # once the user has called scaler.unscale_(opt)
+        engine.step(via_scaler=hasattr(self, "found_inf"), grad_scale=getattr(self, "grad_scale", None))
         return loss
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank because some rank's reduced gradients held an inf or NaN (loss-scale
+        overflows included), as Megatron's skipped-iterations count. Reading it waits for the device."""
+        return self._attached_engine("skipped_steps").skipped_steps
 
     def synchronize(self) -> None:
         """Wait until every parameter holds its updated value. Needed only with param_sync="forward",

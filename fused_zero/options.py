@@ -17,6 +17,7 @@ OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
 PARAM_SYNCS = ("step", "forward")
+ON_NONFINITES = ("skip", "raise")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,12 @@ class ShardingOptions:
             (every bucket once the last one is reduced) or "step" (in ``step()``).
         master_weights: fp32 master copies of bf16/fp16 parameters; None means on for them.
         max_grad_norm: global-norm clipping as ``clip_grad_norm_``; needs every gradient before any
-            update, so only overlap="step" allows it.
+            update, so overlap="step" or "backward" (not "bucket").
+        grad_scaler: the ``torch.amp.GradScaler`` whose scaled losses this optimizer steps on (see
+            amp.py); overlap="step" or "backward".
+        on_nonfinite: what a step whose reduced gradients hold an inf or NaN does, without a scaler:
+            "skip" it on every rank (default; counted in ``skipped_steps``) or "raise" in ``step()``,
+            on every rank, after skipping it. With a scaler, overflow steps are skipped as torch does.
         param_sync: "step" (``step()`` returns with every parameter updated) or "forward" (each
             module's forward pre-hook waits for the buckets it reads).
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
@@ -40,16 +46,23 @@ class ShardingOptions:
     max_grad_norm: float | None = None
     param_sync: str = "step"
     backend: str = "auto"
+    grad_scaler: object = None
+    on_nonfinite: str = "skip"
 
     def __post_init__(self):
         _check_choice("overlap", self.overlap, OVERLAPS)
         _check_choice("grad_reduce", self.grad_reduce, GRAD_REDUCES)
         _check_choice("param_sync", self.param_sync, PARAM_SYNCS)
         _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITES)
+        if self.grad_scaler is not None and self.overlap == "bucket":
+            raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
+                             "a bucket is updated before the later buckets' overflow check is known")
         if self.max_grad_norm is not None:
-            if self.overlap != "step":
-                raise ValueError("max_grad_norm needs overlap='step': the global norm is known only once "
-                                 "every bucket is reduced, after the other modes have updated")
+            if self.overlap == "bucket":
+                raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "
+                                 "is known only once every bucket is reduced, after overlap='bucket' has "
+                                 "updated the first ones")
             if not self.max_grad_norm > 0:
                 raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 

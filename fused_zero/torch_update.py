@@ -104,13 +104,24 @@ def _sgd_row(args, c, p, so, n, go, maximize, nesterov):
 
 
 def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None):
-    """Same contract as kernels.grad_sumsq."""
+    """Same contract as kernels.grad_sumsq.
+
+    Every step runs this (the non-finite check), so the common case is one vectorized norm per run
+    (about the cost of a copy); only when some norm is not finite does it count element by element,
+    telling infs and NaNs apart from finite values whose squares overflow fp32.
+    """
     table = coefs.tolist()
+    runs = [r for r in merged_runs(rows, table) if table[r[4]][0] != 0.0]
+    if not runs:
+        return torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+    norms = torch.stack([torch.linalg.vector_norm(grad[go:go + n], dtype=torch.float32) for _, n, _, go, _ in runs])
+    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32)
+    if bool(torch.isfinite(norms).all()):
+        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32)
     sumsq = torch.zeros((), dtype=torch.float32)
     bad = torch.zeros((), dtype=torch.float32)
-    for _, n, _, go, pid in merged_runs(rows, table):
-        if table[pid][0] == 0.0:
-            continue
+    for _, n, _, go, pid in runs:
         g = grad[go:go + n].float() / table[pid][1]
         if grad_scale is not None:
             g = g / grad_scale.float()

@@ -1,0 +1,53 @@
+"""Notices a user's change to ``param.grad`` between the backward and ``step()``.
+
+nanoGPT-style loops call ``torch.nn.utils.clip_grad_norm_`` (or ``scaler.unscale_``) there. Most
+fused_zero modes cannot honor that: the update already ran in the backward, or it reads its own
+reduced slices, not ``param.grad``. Silently ignoring the clip would change training, so ``step()``
+compares every gradient with what it was once DDP had finished the backward: the same tensor, at the
+same version counter (every in-place op bumps it; gradient views of one DDP bucket share their
+bucket's counter). That costs a host loop over the parameters and no pass over memory.
+
+"Once DDP has finished" is later than our last comm hook: with ``gradient_as_bucket_view=False`` DDP
+copies the buckets into ``param.grad`` in its own end-of-backward callback, queued after our last
+hook. The hook therefore queues a callback that queues the recording one: autograd runs callbacks
+queued while its callbacks run at the end of the same list, after DDP's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _queue(fn) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class GradWatch:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.seen: list | None = None
+
+    def arm(self) -> None:
+        """From the comm hook of the backward's last bucket: record the gradients after DDP is done."""
+        self.seen = None
+        _queue(lambda: _queue(self._record))
+
+    def _record(self) -> None:
+        self.seen = [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
+
+    def edited(self) -> list[int]:
+        """Indices of the parameters whose ``.grad`` changed since it was recorded."""
+        if self.seen is None:
+            return []
+        out = []
+        for i, (p, rec) in enumerate(zip(self.params, self.seen)):
+            g = p.grad
+            if rec is None:
+                if g is not None:
+                    out.append(i)
+            elif g is not rec[0] or g._version != rec[1]:
+                out.append(i)
+        return out
+
+    def clear(self) -> None:
+        self.seen = None
