@@ -1,0 +1,213 @@
+"""Mixed-precision scenarios run on every rank: fused_zero next to plain DDP + torch.optim, with loss
+scaling, non-finite gradients injected on one rank, and clipping.
+
+The reference is what a user runs without fused_zero: DDP + torch.optim on fp32 master copies (for
+fp16/bf16 models) and its own GradScaler, which unscales the masters' gradients, skips a step with an
+inf and halves its scale; without a scaler it skips a step whose reduced gradients are not finite,
+which is fused_zero's default policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from scenarios import VOCAB, OddNet, batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_zero
+
+
+@dataclass(frozen=True)
+class AmpCase:
+    overlap: str = "step"
+    grad_reduce: str = "reduce_scatter"
+    dtype: torch.dtype = torch.float16
+    scaler: bool = True
+    inject: tuple[int, ...] = (3, 6)  # steps at which the last rank's gradient turns non-finite
+    inject_all: bool = False  # every gradient (the loss) instead of one parameter's
+    max_grad_norm: float | None = None
+    on_nonfinite: str = "skip"
+    as_view: bool = True
+    steps: int = 10
+    bucket_cap_mb: float = 0.002  # a few buckets
+
+    def name(self) -> str:
+        return (f"{self.overlap}-{self.grad_reduce}-{str(self.dtype)[6:]}-scaler{int(self.scaler)}"
+                f"-inject{self.inject}{'all' if self.inject_all else ''}-clip{self.max_grad_norm}"
+                f"-{self.on_nonfinite}-view{int(self.as_view)}")
+
+
+def _model(dtype):
+    torch.manual_seed(1234)
+    model = OddNet().to(dtype)
+    model.never.requires_grad_(False)
+    return model
+
+
+def _scaler():
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+
+
+def run_amp_case(case: AmpCase, rank: int, world: int) -> dict:
+    ddp_kw = dict(bucket_cap_mb=case.bucket_cap_mb, gradient_as_bucket_view=case.as_view)
+    model, ref_model = _model(case.dtype), _model(case.dtype)
+    ddp, ref_ddp = DDP(model, **ddp_kw), DDP(ref_model, **ddp_kw)
+    scaler, ref_scaler = (_scaler(), _scaler()) if case.scaler else (None, None)
+    passes = []
+    if scaler is not None:  # the scaler's own pass over param.grad must not run
+        check = scaler._check_inf_per_device
+        scaler._check_inf_per_device = lambda opt: (passes.append(1), check(opt))[1]
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    opt = fused_zero.AdamW(ddp.parameters(), **hp, ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
+                           max_grad_norm=case.max_grad_norm, grad_scaler=scaler, on_nonfinite=case.on_nonfinite,
+                           backend="torch")
+    ref_params = [p for p in ref_model.parameters() if p.requires_grad]
+    masters = ref_params if case.dtype == torch.float32 else \
+        [p.detach().float().requires_grad_(True) for p in ref_params]
+    ref_opt = torch.optim.AdamW(masters, **hp, foreach=False)
+
+    poison = [False]
+    for m in (model, ref_model):
+        m.l1.weight.register_hook(lambda g: g * float("inf") if poison[0] and not case.inject_all else g)
+
+    raised, ref_skipped, scales = [], 0, []
+    for step in range(1, case.steps + 1):
+        poison[0] = step in case.inject and rank == world - 1
+        for which, d in enumerate((ref_ddp, ddp)):
+            x, y = batch(step, 0, rank)
+            loss = F.cross_entropy(d(x, use_branch=True).float().reshape(-1, VOCAB), y.reshape(-1))
+            if poison[0] and case.inject_all:
+                loss = loss * float("inf")
+            (loss if scaler is None else (ref_scaler, scaler)[which].scale(loss)).backward()
+            if which == 0:
+                ref_skipped += _reference_step(case, ref_params, masters, ref_opt, ref_scaler)
+                continue
+            try:
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+            except FloatingPointError:
+                raised.append(step)
+            opt.zero_grad()
+        _compare(model, ref_model, case, step, rank)
+        _check_finite_and_agree(model, opt, step)
+        if scaler is not None:
+            assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale(), ref_scaler.get_scale())
+            scales.append(scaler.get_scale())
+    opt._engine.close()
+    return {"skipped": opt.skipped_steps, "ref_skipped": ref_skipped, "raised": raised, "scales": scales,
+            "scaler_passes": len(passes)}
+
+
+def _reference_step(case, params, masters, opt, scaler) -> int:
+    """torch.optim's step as users write it; returns 1 when the step was skipped."""
+    if masters is not params:
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float()
+    skipped = 0
+    if scaler is not None:
+        if case.max_grad_norm is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(masters, case.max_grad_norm)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = int(scaler.get_scale() < before)
+    elif all(bool(torch.isfinite(m.grad).all()) for m in masters if m.grad is not None):
+        if case.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(masters, case.max_grad_norm)
+        opt.step()
+    else:
+        skipped = 1
+    with torch.no_grad():
+        if masters is not params:
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    for t in list(params) + list(masters):
+        t.grad = None
+    return skipped
+
+
+def _compare(model, ref_model, case, step, rank) -> None:
+    tol = dict(rtol=2e-5, atol=2e-6) if case.dtype == torch.float32 else dict(rtol=2 ** -6, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach().float(), q.detach().float(), **tol,
+                                   msg=lambda m, name=name: f"{case.name()} rank {rank} step {step} {name}: {m}")
+
+
+def _check_finite_and_agree(model, opt, step) -> None:
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    assert torch.isfinite(flat).all(), f"step {step}: a non-finite parameter"
+    for shard in opt._engine.shards():
+        for name, t in shard.state.items():
+            assert torch.isfinite(t).all(), f"step {step}: non-finite {name}"
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    for r, other in enumerate(gathered):
+        assert torch.equal(other, gathered[0]), f"step {step}: rank {r} parameters differ from rank 0's"
+
+
+def run_amp_cases(rank: int, world: int, cases: list[AmpCase]) -> list[tuple[str, dict]]:
+    return [(c.name(), run_amp_case(c, rank, world)) for c in cases]
+
+
+def _clip_loop(model, ddp, opt, scaler, rank, steps, ref=None):
+    """nanoGPT's loop: backward, clip_grad_norm_ (after scaler.unscale_ with a scaler), step."""
+    for step in range(1, steps + 1):
+        x, y = batch(step, 0, rank)
+        loss = F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        if ref is not None:
+            ref(step)
+
+
+def run_user_clip(rank: int, world: int) -> dict:
+    """A user's clip_grad_norm_ between backward and step(): honored where the update reads param.grad
+    at step() (overlap="step", grad_reduce="all_reduce"), a clear error on every rank elsewhere."""
+    out = {}
+    for as_view in (True, False):
+        for with_scaler in (False, True):
+            model, ref_model = _model(torch.float32), _model(torch.float32)
+            ddp = DDP(model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+            ref_ddp = DDP(ref_model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+            scaler, ref_scaler = (_scaler(), _scaler()) if with_scaler else (None, None)
+            opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap="step", grad_reduce="all_reduce",
+                                   grad_scaler=scaler, backend="torch")
+            ref_opt = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=1e-2,
+                                        foreach=False)
+            _clip_loop(ref_model, ref_ddp, ref_opt, ref_scaler, rank, 4)
+            _clip_loop(model, ddp, opt, scaler, rank, 4)
+            case = AmpCase(dtype=torch.float32)
+            _compare(model, ref_model, case, 4, rank)
+            _check_finite_and_agree(model, opt, 4)
+            opt._engine.close()
+            out[f"honored-view{int(as_view)}-scaler{int(with_scaler)}"] = True
+    for overlap, grad_reduce in (("step", "reduce_scatter"), ("backward", "reduce_scatter"),
+                                 ("bucket", "all_reduce")):
+        model = _model(torch.float32)
+        ddp = DDP(model, bucket_cap_mb=0.002)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, grad_reduce=grad_reduce,
+                               backend="torch")
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            _clip_loop(model, ddp, opt, None, rank, 1)
+            out[f"{overlap}-{grad_reduce}"] = "no error"
+        except RuntimeError as e:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            out[f"{overlap}-{grad_reduce}"] = ("max_grad_norm" in str(e), unchanged)
+        opt._engine.close()
+    return out
