@@ -393,8 +393,8 @@ class Engine:
             stats[0] += sumsq
             stats[1] += bad
         stats[2] = float(it.edited)
-        if self.world > 1:
-            dist.all_reduce(stats, group=self.group)
+        if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
+            dist.all_reduce(stats, group=self.group, async_op=True).wait()
         found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
         it.edited = bool(stats[2] > 0) if self.device.type == "cpu" else it.edited
         clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
@@ -494,7 +494,7 @@ class Engine:
         if self.world == 1 or self.device.type != "cpu":
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, group=self.group, async_op=True).wait()
         return bool(t[0] > 0)
 
     def _write_back(self, it: _Iteration, pids: list[int]) -> None:
