@@ -7,10 +7,10 @@ Set ``TRITON_INTERPRET=1`` before importing to run them on CPU tensors through T
 
 from .adam import ADAM_COEFS, N_ADAM_COEFS, adam_coefficients, adam_step
 from .norm import grad_sumsq
-from .segments import BLOCK, COLUMNS, Segments
+from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, VEC, Segments, vector_elements
 from .sgd import N_SGD_COEFS, SGD_COEFS, sgd_coefficients, sgd_step
 
 __all__ = [
-    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "SGD_COEFS", "Segments",
-    "adam_coefficients", "adam_step", "grad_sumsq", "sgd_coefficients", "sgd_step",
+    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "PIECE_COLUMNS", "SGD_COEFS", "Segments", "VEC",
+    "adam_coefficients", "adam_step", "grad_sumsq", "sgd_coefficients", "sgd_step", "vector_elements",
 ]

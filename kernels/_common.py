@@ -8,43 +8,61 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import BLOCK, Segments
+from .segments import BLOCK, VEC, Segments
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # triton.jit decides between compiling and interpreting when the kernels are defined, at import
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NUM_WARPS = 8
+SCALAR_BLOCK = 32 * NUM_WARPS
+"""Elements per step of the scalar path: one per thread. Its tensors then have a shape of their own, so
+Triton lays them out apart from the vector path's (with one shape, it spread the vector path's
+4-per-thread layout to the scalar loads and converted through shared memory before every store)."""
+
+
+FP_FUSION = False
+"""Passed as ``enable_fp_fusion`` to every launch. Without fusion the GPU rounds every product and sum
+as written, which is what the interpreter (IEEE numpy) computes, so the kernels' CI tests check the
+GPU's arithmetic; torch's CUDA kernels fuse some multiply-adds, hence a last-bit tolerance against
+torch.optim on the GPU (docs/design.md). Triton 3.10 changes the implicit default; this is explicit."""
 
 
 @triton.jit
-def load_row(rows_ptr, row):
-    """One row of a Segments table: (shard_off, length, param_off, grad_off, pid)."""
-    base = rows_ptr + row * 5
-    return (
-        tl.load(base + 0),
-        tl.load(base + 1),
-        tl.load(base + 2),
-        tl.load(base + 3),
-        tl.load(base + 4),
-    )
+def row_is_vector(rows_ptr):
+    """Whether this program's row of a Segments table is on the aligned vector path."""
+    return tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * 6 + 5) != 0
 
 
 @triton.jit
 def open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-             BLOCK: tl.constexpr):
-    """This program's row: its coefficient-row pointer, element mask and shard/param/grad offsets.
+             VECTOR: tl.constexpr, VEC: tl.constexpr):
+    """This program's row: its coefficient-row pointer, its element count and its shard/param/grad
+    offsets.
 
     An inactive parameter (coefficient 0 is zero), or a found inf, shrinks the row to nothing: no
     element is read or written.
+
+    On a ``VECTOR`` row (see segments.py) the three offsets and the length are multiples of ``VEC``.
+    Saying so lets Triton prove each thread's run of elements 16-byte aligned and its mask uniform,
+    the two conditions of a vector access. ``tl.multiple_of`` marks the op that *defines* a value, not
+    its use, so the hinted values are loads of their own, made on the vector path only: hints on shared
+    loads would also reach the scalar path's unaligned rows.
     """
-    row = tl.program_id(0).to(tl.int64)
-    shard_off, n, param_off, grad_off, pid = load_row(rows_ptr, row)
-    c = coef_ptr + pid * N_COEF
+    base = rows_ptr + tl.program_id(0).to(tl.int64) * 6
+    shard_off = tl.load(base + 0)
+    n = tl.load(base + 1)
+    param_off = tl.load(base + 2)
+    grad_off = tl.load(base + 3)
+    c = coef_ptr + tl.load(base + 4) * N_COEF
     n = tl.where(tl.load(c) != 0, n, 0)
     if HAS_FOUND_INF:
         n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
-    idx = tl.arange(0, BLOCK)
-    return c, idx < n, shard_off + idx, param_off + idx, grad_off + idx
+    if VECTOR:
+        shard_off = tl.multiple_of(shard_off, VEC)
+        param_off = tl.multiple_of(param_off, VEC)
+        grad_off = tl.multiple_of(grad_off, VEC)
+        n = tl.multiple_of(n, VEC)
+    return c, n, shard_off, param_off, grad_off
 
 
 @triton.jit
@@ -140,5 +158,5 @@ def grid(segments: Segments) -> tuple[int]:
     return (segments.n_rows,)
 
 
-__all__ = ["BLOCK", "NUM_WARPS", "FLOAT_DTYPES", "load_row", "open_row", "load_weight", "store_weight",
-           "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs", "grid"]
+__all__ = ["BLOCK", "VEC", "FP_FUSION", "NUM_WARPS", "FLOAT_DTYPES", "SCALAR_BLOCK", "row_is_vector", "open_row", "load_weight",
+           "store_weight", "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs", "grid"]

@@ -13,31 +13,64 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BLOCK, NUM_WARPS, check_coefs, check_flat, check_scalar, grid, open_row
+from ._common import (
+    BLOCK,
+    FP_FUSION,
+    NUM_WARPS,
+    SCALAR_BLOCK,
+    VEC,
+    check_coefs,
+    check_flat,
+    check_scalar,
+    grid,
+    open_row,
+    row_is_vector,
+)
 from .segments import Segments
 
 
 @triton.jit
 def _grad_sumsq_kernel(
-    rows_ptr,            # int64 [n_rows, 5] Segments table
+    rows_ptr,            # int64 [n_rows, 6] Segments table
     coef_ptr,            # fp32 [n_params, N_COEF]; column 0 active, column 1 grad_div
     grad_ptr,            # gradient buffer, indexed by grad_off
     grad_scale_ptr,      # one-element loss scale (HAS_GRAD_SCALE)
     out_ptr,             # fp32 [n_rows, 2]: sum of squares, non-finite count
     N_COEF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALAR_BLOCK: tl.constexpr,
 ):
-    c, mask, _, _, g_offs = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, BLOCK)
+    # 16-byte loads on aligned rows, scalar ones on the rest (see adam.py)
+    if row_is_vector(rows_ptr):
+        c, n, _, _, g_off = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, True, VEC)
+        idx = tl.arange(0, BLOCK)
+        sumsq, bad = _grad_sumsq_elements(c, idx < n, g_off + idx, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE)
+    else:
+        c, n, _, _, g_off = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, False, VEC)
+        sumsq = 0.0
+        bad = 0.0
+        for start in range(0, n, SCALAR_BLOCK):
+            idx = start + tl.arange(0, SCALAR_BLOCK)
+            part_sumsq, part_bad = _grad_sumsq_elements(c, idx < n, g_off + idx, grad_ptr, grad_scale_ptr,
+                                                        HAS_GRAD_SCALE)
+            sumsq += part_sumsq
+            bad += part_bad
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row * 2, sumsq)
+    tl.store(out_ptr + row * 2 + 1, bad)
+
+
+@triton.jit
+def _grad_sumsq_elements(c, mask, g_offs, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE: tl.constexpr):
     grad_div = tl.load(c + 1)
     g = tl.load(grad_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.div_rn(g, grad_div)
     if HAS_GRAD_SCALE:
         g = tl.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
     finite = (g == g) & (tl.abs(g) != float("inf"))
-    row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row * 2, tl.sum(tl.where(finite, g * g, 0.0), axis=0))
-    tl.store(out_ptr + row * 2 + 1, tl.sum(tl.where(mask & ~finite, 1.0, 0.0), axis=0))
+    return tl.sum(tl.where(finite, g * g, 0.0), axis=0), tl.sum(tl.where(mask & ~finite, 1.0, 0.0), axis=0)
 
 
 def grad_sumsq(
@@ -69,8 +102,11 @@ def grad_sumsq(
             out,
             N_COEF=coefs.shape[1],
             HAS_GRAD_SCALE=grad_scale is not None,
+            VEC=VEC,
             BLOCK=BLOCK,
+            SCALAR_BLOCK=SCALAR_BLOCK,
             num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )
     total = out.sum(dim=0)
     return total[0], total[1]

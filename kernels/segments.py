@@ -5,13 +5,22 @@ parameters back to back, with padding the kernels must never touch. A `Segments`
 elements are real: one row per program, each row a run of at most ``BLOCK`` contiguous elements of
 one parameter:
 
-    (shard_off, length, param_off, grad_off, pid)
+    (shard_off, length, param_off, grad_off, pid, vector)
 
 ``shard_off`` indexes the fp32 state (master weights, moments), ``param_off`` the parameter buffer,
 ``grad_off`` the gradient buffer and ``pid`` the row of the per-parameter coefficient table. The three
 offsets are separate because the three buffers need not share an origin: the state of one rank covers
 every bucket back to back, while the parameter and gradient buffers may be per-bucket, full-size
 allocations owned by someone else.
+
+``vector`` marks the rows of the aligned vector path. Callers pass whole parameter pieces (five
+columns); `Segments.build` cuts each into a ragged head, an aligned middle and a ragged tail. A middle
+row starts at a multiple of ``VEC`` elements in all three spaces at once and its length is a multiple
+of ``VEC``, so the kernels may tell Triton so (``tl.multiple_of``) and Triton emits vector accesses:
+``ld.global.v4.b32`` (16 bytes) for fp32 streams, ``ld.global.v2.b32`` (8 bytes) for 16-bit ones. The
+ragged ends (under
+``VEC`` elements each) and pieces whose three offsets disagree modulo ``VEC`` take the scalar path of
+the same launch. Correctness never depends on the cut; only speed does.
 
 The table is built and checked once on the host; launches only compare its precomputed extents with
 the lengths of the tensors they are given, so a bad table is an exception at build or launch time,
@@ -27,7 +36,46 @@ import torch
 BLOCK = 2048
 """Elements per program. 2048 x fp32 with 8 warps is 8 elements (two 16-byte vectors) per thread."""
 
-COLUMNS = ("shard_off", "length", "param_off", "grad_off", "pid")
+VEC = 4
+"""Vector width in elements: 16 bytes of an fp32 stream, 8 of a 16-bit one. Every stream of a kernel then
+has the same layout, four elements per thread per access; with 8 elements, the 16-bit streams' 16-byte
+accesses would give them another layout than the fp32 ones', and Triton converts between the two through
+shared memory on every element (checked in the PTX). One width for every dtype also keeps one cut of
+the rows per layout."""
+
+PIECE_COLUMNS = ("shard_off", "length", "param_off", "grad_off", "pid")
+COLUMNS = PIECE_COLUMNS + ("vector",)
+
+
+def vector_cut(pieces: torch.Tensor) -> torch.Tensor:
+    """Cut ``[n, 5]`` pieces into ``[m, 6]`` rows: ragged head, aligned middle, ragged tail.
+
+    A piece whose three offsets agree modulo ``VEC`` has a middle from its first ``VEC`` multiple to its
+    last; otherwise it is one scalar row. Empty parts are dropped; piece order is kept.
+    """
+    s, n = pieces[:, 0], pieces[:, 1]
+    congruent = ((s - pieces[:, 2]) % VEC == 0) & ((s - pieces[:, 3]) % VEC == 0)
+    head = torch.where(congruent, torch.minimum((-s) % VEC, n), n)
+    mid = (n - head) // VEC * VEC
+    tail = n - head - mid
+    parts = []
+    for start, length, vector in ((0, head, 0), (head, mid, 1), (head + mid, tail, 0)):
+        part = torch.empty(pieces.shape[0], len(COLUMNS), dtype=torch.int64)
+        part[:, :5] = pieces
+        part[:, [0, 2, 3]] += start if isinstance(start, int) else start[:, None]
+        part[:, 1] = length
+        part[:, 5] = vector
+        parts.append(part)
+    rows = torch.stack(parts, dim=1).reshape(-1, len(COLUMNS))  # piece-major: head, middle, tail
+    return rows[rows[:, 1] > 0]
+
+
+def vector_elements(pieces) -> tuple[int, int]:
+    """``(elements on the vector path, all elements)`` of pieces (anything ``torch.as_tensor`` takes,
+    five columns): a pure function of the offsets, the share the kernels stream with 16-byte accesses."""
+    host = torch.as_tensor(pieces, dtype=torch.int64).reshape(-1, len(PIECE_COLUMNS))
+    rows = vector_cut(host[host[:, 1] > 0])
+    return int(rows[rows[:, 5] == 1, 1].sum()), int(host[host[:, 1] > 0, 1].sum())
 
 
 @dataclass(frozen=True)
@@ -35,7 +83,7 @@ class Segments:
     """A validated row table, on the device the kernels run on.
 
     Attributes:
-        rows: int64 tensor ``[n_rows, 5]`` on the kernel device (columns in ``COLUMNS``).
+        rows: int64 tensor ``[n_rows, 6]`` on the kernel device (columns in ``COLUMNS``).
         shard_extent: one past the largest shard index a row touches (0 for no rows).
         param_extent: same for the parameter buffer.
         grad_extent: same for the gradient buffer.
@@ -53,17 +101,17 @@ class Segments:
         return self.rows.shape[0]
 
     @staticmethod
-    def build(rows, device: torch.device | str = "cpu") -> Segments:
-        """Check a host table (anything ``torch.as_tensor`` takes, shape ``[n, 5]``) and move it.
+    def build(pieces, device: torch.device | str = "cpu") -> Segments:
+        """Check a host table of pieces (anything ``torch.as_tensor`` takes, shape ``[n, 5]``), cut it
+        for the vector path and move it.
 
-        Rows longer than ``BLOCK`` are split here, so callers may pass whole parameter pieces.
+        Pieces may be whole parameter pieces of any length: rows longer than ``BLOCK`` are split here.
         """
-        host = torch.as_tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(COLUMNS))
+        host = torch.as_tensor(pieces, dtype=torch.int64, device="cpu").reshape(-1, len(PIECE_COLUMNS))
         if host.numel() and bool((host < 0).any()):
             bad = host[(host < 0).any(dim=1)][0].tolist()
-            raise ValueError(f"segment row {bad} has a negative entry; columns are {COLUMNS}")
-        host = host[host[:, 1] > 0]
-        host = _split_long_rows(host)
+            raise ValueError(f"segment row {bad} has a negative entry; columns are {PIECE_COLUMNS}")
+        host = _split_long_rows(vector_cut(host[host[:, 1] > 0]))
         if host.shape[0]:
             ends = host[:, [0, 2, 3]] + host[:, 1:2]
             shard_extent, param_extent, grad_extent = (int(v) for v in ends.max(dim=0).values)
@@ -88,7 +136,10 @@ class Segments:
 
 
 def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
-    """Cut rows into pieces of at most BLOCK elements (vectorised; no Python loop per row)."""
+    """Cut rows into pieces of at most BLOCK elements (vectorised; no Python loop per row).
+
+    BLOCK is a multiple of VEC, so the pieces of an aligned row stay aligned.
+    """
     if host.shape[0] == 0 or int(host[:, 1].max()) <= BLOCK:
         return host.contiguous()
     pieces = (host[:, 1] + BLOCK - 1) // BLOCK

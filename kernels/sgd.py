@@ -21,7 +21,10 @@ import triton.language as tl
 
 from ._common import (
     BLOCK,
+    FP_FUSION,
     NUM_WARPS,
+    SCALAR_BLOCK,
+    VEC,
     check_coefs,
     check_flat,
     check_scalar,
@@ -29,6 +32,7 @@ from ._common import (
     load_grad,
     load_weight,
     open_row,
+    row_is_vector,
     store_weight,
 )
 from .segments import Segments
@@ -39,7 +43,7 @@ N_SGD_COEFS = len(SGD_COEFS)
 
 @triton.jit
 def _sgd_kernel(
-    rows_ptr,            # int64 [n_rows, 5] Segments table
+    rows_ptr,            # int64 [n_rows, 6] Segments table
     coef_ptr,            # fp32 [n_params, N_COEF] per-parameter scalars (SGD_COEFS)
     grad_ptr,            # gradient buffer, indexed by grad_off
     master_ptr,          # fp32 master shard, indexed by shard_off (unused without HAS_MASTER)
@@ -57,9 +61,31 @@ def _sgd_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_CLIP: tl.constexpr,
     PARAM_BF16: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALAR_BLOCK: tl.constexpr,
 ):
-    c, mask, s_offs, p_offs, g_offs = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, BLOCK)
+    # the same elementwise code twice: 16-byte accesses on aligned rows, scalar ones on the rest
+    if row_is_vector(rows_ptr):
+        c, n, s_off, p_off, g_off = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, True, VEC)
+        idx = tl.arange(0, BLOCK)
+        _sgd_elements(c, idx < n, s_off + idx, p_off + idx, g_off + idx, grad_ptr, master_ptr, param_ptr,
+                      momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
+                      MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
+    else:
+        c, n, s_off, p_off, g_off = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, False, VEC)
+        for start in range(0, n, SCALAR_BLOCK):
+            idx = start + tl.arange(0, SCALAR_BLOCK)
+            _sgd_elements(c, idx < n, s_off + idx, p_off + idx, g_off + idx, grad_ptr, master_ptr, param_ptr,
+                          momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
+                          MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
+
+
+@triton.jit
+def _sgd_elements(c, mask, s_offs, p_offs, g_offs, grad_ptr, master_ptr, param_ptr, momentum_buf_ptr,
+                  grad_scale_ptr, clip_coef_ptr, HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                  NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+                  HAS_CLIP: tl.constexpr, PARAM_BF16: tl.constexpr):
     grad_div = tl.load(c + 1)
     weight_decay = tl.load(c + 2)
     momentum = tl.load(c + 3)
@@ -152,6 +178,9 @@ def sgd_step(
         HAS_FOUND_INF=found_inf is not None,
         HAS_CLIP=clip_coef is not None,
         PARAM_BF16=param.dtype == torch.bfloat16,
+        VEC=VEC,
         BLOCK=BLOCK,
+        SCALAR_BLOCK=SCALAR_BLOCK,
         num_warps=NUM_WARPS,
+        enable_fp_fusion=FP_FUSION,
     )
