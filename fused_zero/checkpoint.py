@@ -28,18 +28,19 @@ def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | Non
     other than ``to``). A collective."""
     layout: BucketLayout = shard.layout
     region = shard.state[name]
+    mine, tail = slice(*layout.region_slice(engine.rank)), slice(*layout.region_tail(engine.rank))
     if layout.shard:
-        mine = region[:layout.shard]
         if engine.world == 1:
-            out[:layout.head].copy_(mine)
+            out[:layout.head].copy_(region[mine])
         elif to is None:
-            all_gather(out[:layout.head], mine, group=engine.group)
+            all_gather(out[:layout.head], region[mine].contiguous(), group=engine.group)
         else:
             chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(engine.world)] if (
                 engine.rank == to) else None
-            dist.gather(mine, chunks, dst=dist.get_global_rank(engine.group, to), group=engine.group)
+            dist.gather(region[mine].contiguous(), chunks, dst=dist.get_global_rank(engine.group, to),
+                        group=engine.group)
     if out is not None:
-        out[layout.head:].copy_(region[layout.shard:])
+        out[layout.head:].copy_(region[tail])
 
 
 def has_state(engine, pid: int) -> bool:
@@ -198,7 +199,7 @@ def local_entry(engine, pid: int) -> dict:
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
     shard, local = engine.registry.where[pid]
-    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local)
+    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, engine.rank)
             if owner in (engine.rank, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":

@@ -303,11 +303,12 @@ class Engine:
             works.append(dist.all_reduce(buffer, group=g, async_op=True))
         else:
             region = shard.grad_region
+            mine, tail = slice(*layout.region_slice(self.rank)), slice(*layout.region_tail(self.rank))
             if layout.tail:
-                region[layout.shard:].copy_(buffer[layout.head:])
-                works.append(dist.all_reduce(region[layout.shard:], group=g, async_op=True))
+                region[tail].copy_(buffer[layout.head:])
+                works.append(dist.all_reduce(region[tail], group=g, async_op=True))
             if layout.shard:
-                works.append(reduce_scatter(region[:layout.shard], buffer[:layout.head],
+                works.append(reduce_scatter(region[mine], buffer[:layout.head],
                                              group=g, async_op=True))
         return works
 

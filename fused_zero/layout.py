@@ -17,14 +17,22 @@ for a bucket is ``shard + tail`` elements: exactly 1/W of the bucket plus under 
 rank's slice (``numel / W``): at 1024 ranks a 25 MB bucket gives each rank only 12k elements, and a
 32-element alignment would replicate up to 32k. It halves down to 1 until ``8 * W * align <= numel / W``.
 
-A rank's *region* (its optimizer state for one bucket) is its slice followed by the tail:
-``region[j]`` is bucket element ``rank * shard + j`` for ``j < shard`` and ``W * shard + j - shard``
-after it. This module is pure: no process group, no device.
+A rank's *region* (its optimizer state for one bucket) holds its slice, then the tail. Both start at
+region offsets congruent to their bucket offsets modulo the kernels' vector width ``VEC`` (4): then an
+element sits at the same position within a 16-byte vector of fp32 state as within a vector of the
+parameter and gradient buffers, and every aligned run of a parameter is on the kernels' vector path
+(kernels/segments.py). Where ``align`` is a multiple of ``VEC`` (every bucket but tiny ones at large W)
+the region is exactly ``[slice | tail]``; otherwise up to ``VEC - 1`` unused elements precede the slice
+and up to ``VEC - 1`` the tail, and the regions of different ranks differ in size by those few.
+This module is pure: no process group, no device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .kernels import VEC, vector_elements
 
 ALIGN = 32
 """Slice starts are multiples of 32 elements (64 bytes of bf16, 128 bytes of fp32) where the bucket is
@@ -111,8 +119,19 @@ class BucketLayout:
 
     @property
     def region_size(self) -> int:
-        """Elements of optimizer state each rank holds for this bucket."""
-        return self.shard + self.tail
+        """Elements of optimizer state this rank holds for this bucket."""
+        return self.region_tail(self.rank)[1]
+
+    def region_slice(self, rank: int) -> tuple[int, int]:
+        """Where ``rank``'s slice lies in its region: congruent to ``slice_of(rank)`` modulo VEC."""
+        lo = rank * self.shard % VEC
+        return lo, lo + self.shard
+
+    def region_tail(self, rank: int) -> tuple[int, int]:
+        """Where the tail lies in ``rank``'s region: after the slice, congruent to ``head`` modulo VEC."""
+        end = self.region_slice(rank)[1]
+        lo = end + (self.head - end) % VEC
+        return lo, lo + self.tail
 
     def same_bucket(self, pids, offsets) -> bool:
         return self.pids == tuple(pids) and self.offsets == tuple(offsets)
@@ -123,14 +142,15 @@ class BucketLayout:
     def pieces(self, rank: int) -> list[Piece]:
         """The runs of parameters in ``rank``'s region, in region order (slice first, then tail)."""
         lo, hi = self.slice_of(rank)
-        out = self._cut(lo, hi, region_base=0)
-        out += self._cut(self.head, self.numel, region_base=self.shard)
+        out = self._cut(lo, hi, region_base=self.region_slice(rank)[0])
+        out += self._cut(self.head, self.numel, region_base=self.region_tail(rank)[0])
         return out
 
-    def owners(self, local: int) -> list[tuple[int, int, int, int]]:
+    def owners(self, local: int, rank: int) -> list[tuple[int, int, int, int]]:
         """``(elem_lo, elem_hi, owner, region_off)`` runs covering parameter ``local``.
 
-        ``owner`` is a rank, or REPLICATED for tail elements (every rank's region holds them).
+        ``owner`` is a rank, or REPLICATED for tail elements (every rank's region holds them; the
+        ``region_off`` given is in ``rank``'s region).
         """
         start, n = self.offsets[local], self.numels[local]
         runs = []
@@ -139,10 +159,11 @@ class BucketLayout:
             if pos < self.head:
                 owner = pos // self.shard
                 end = min(start + n, (owner + 1) * self.shard)
-                runs.append((pos - start, end - start, owner, pos - owner * self.shard))
+                runs.append((pos - start, end - start, owner,
+                             self.region_slice(owner)[0] + pos - owner * self.shard))
             else:
                 owner, end = REPLICATED, start + n
-                runs.append((pos - start, end - start, owner, self.shard + pos - self.head))
+                runs.append((pos - start, end - start, owner, self.region_tail(rank)[0] + pos - self.head))
             pos = end
         return runs
 
@@ -164,6 +185,19 @@ class BucketLayout:
             if a < b:
                 out.append(Piece(local, a - start, b - a, region_base + a - lo, a))
         return out
+
+
+def vector_share(layouts: Iterable[BucketLayout], *, grad_in_region: bool) -> float:
+    """The share of the elements the layouts' kernel rows update on the aligned vector path.
+
+    Pure: the same cut of the same rows as the kernels' `Segments` (kernels.vector_elements). Pass the
+    layouts of every rank to measure a whole run.
+    """
+    vector = total = 0
+    for lay in layouts:
+        v, t = vector_elements(lay.rows(grad_in_region=grad_in_region))
+        vector, total = vector + v, total + t
+    return vector / total if total else 1.0
 
 
 @dataclass(frozen=True)
@@ -191,7 +225,7 @@ def reshard_plan(new: BucketLayout, old_of: dict[int, tuple[BucketLayout, int]])
             pid = new.pids[piece.local]
             old, old_local = old_of[pid]
             lo, hi = piece.elem, piece.elem + piece.length
-            for a, b, owner, region_off in old.owners(old_local):
+            for a, b, owner, region_off in old.owners(old_local, dst):
                 s, e = max(a, lo), min(b, hi)
                 if s < e:
                     plan.append(Transfer(

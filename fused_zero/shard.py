@@ -43,7 +43,8 @@ class BucketShard:
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
         self.rows = [(so, n, po, go, layout.pids[local])
                      for so, n, po, go, local in layout.rows(grad_in_region=grad_in_region)]
-        self.norm_rows = [r for r in self.rows if r[0] < layout.shard or layout.rank == 0]
+        tail_at = layout.region_tail(layout.rank)[0]
+        self.norm_rows = [r for r in self.rows if r[0] < tail_at or layout.rank == 0]
         self.segments = Segments.build(self.rows, device) if build_segments else None
         self.norm_segments = Segments.build(self.norm_rows, device) if build_segments else None
         self.gather: dist.Work | None = None

@@ -51,7 +51,7 @@ def sharded_state_dict(engine) -> dict:
     state = {}
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
-        runs = shard.layout.owners(local)
+        runs = shard.layout.owners(local, engine.rank)
         metas = [ShardMetadata([lo], [hi - lo], f"rank:{_owner(owner)}/{engine.device}")
                  for lo, hi, owner, _ in runs]
         entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
@@ -108,7 +108,7 @@ def _check(engine, sd):
         for name in shard.state:
             st = entry[_state_key(name)]
             by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
-            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc)
+            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc, engine.rank)
                          if _owner(owner) == engine.rank]
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
@@ -137,7 +137,7 @@ def _apply(engine, groups, values) -> None:
         for local, pid in enumerate(shard.layout.pids):
             saved = values[pid]
             pos = 0
-            for lo, hi, owner, off in shard.layout.owners(local):
+            for lo, hi, owner, off in shard.layout.owners(local, engine.rank):
                 if _owner(owner) != engine.rank:
                     continue
                 for name in names:
@@ -146,7 +146,7 @@ def _apply(engine, groups, values) -> None:
             engine.steps[pid] = float(saved["step"])
         layout = shard.layout
         if layout.tail and engine.world > 1 and names:
-            tail = torch.stack([shard.state[n][layout.shard:] for n in names])
+            tail = torch.stack([shard.state[n][slice(*layout.region_tail(engine.rank))] for n in names])
             dist.broadcast(tail, src=dist.get_global_rank(engine.group, 0), group=engine.group)
             for f, n in enumerate(names):
-                shard.state[n][layout.shard:].copy_(tail[f])
+                shard.state[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])

@@ -1,4 +1,4 @@
-"""Pieces shared by the update kernels: dtype rules, argument checks and two jit helpers."""
+"""Pieces shared by the update kernels: dtype rules, argument checks, launch settings and jit helpers."""
 
 from __future__ import annotations
 
@@ -158,5 +158,6 @@ def grid(segments: Segments) -> tuple[int]:
     return (segments.n_rows,)
 
 
-__all__ = ["BLOCK", "VEC", "FP_FUSION", "NUM_WARPS", "FLOAT_DTYPES", "SCALAR_BLOCK", "row_is_vector", "open_row", "load_weight",
-           "store_weight", "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs", "grid"]
+__all__ = ["BLOCK", "VEC", "FP_FUSION", "NUM_WARPS", "FLOAT_DTYPES", "SCALAR_BLOCK", "row_is_vector", "open_row",
+           "load_weight", "store_weight", "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs",
+           "grid"]

@@ -9,14 +9,21 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fused_zero.kernels import (
+    BLOCK,
+    VEC,
     Segments,
     adam_coefficients,
     adam_step,
     grad_sumsq,
     sgd_coefficients,
     sgd_step,
+    vector_elements,
 )
+from fused_zero.layout import BucketLayout, alignment
 
 SIZES = (1, 7, 1000, 4099, 33, 2050)
 GROUP_OF = (0, 1, 0, 1, 1, 0)
@@ -37,20 +44,24 @@ class Packed:
         self.slice = self.padded // world
         self.world = world
 
-    def rows(self, rank):
-        """Segments rows of ``rank``'s slice: shard offsets local to the slice, param/grad global."""
+    def rows(self, rank, shifts=(0, 0, 0)):
+        """Segments rows of ``rank``'s slice: shard offsets local to the slice, param/grad global.
+
+        ``shifts`` moves each space's origin by that many elements: (shard, param, grad).
+        """
         lo, hi = rank * self.slice, (rank + 1) * self.slice
+        ds, dp, dg = shifts
         out = []
         for pid, (start, size) in enumerate(zip(self.starts, self.sizes)):
             a, b = max(start, lo), min(start + size, hi)
             if a < b:
-                out.append((a - lo, b - a, a, a, pid))
+                out.append((a - lo + ds, b - a, a + dp, a + dg, pid))
         return out
 
-    def flat(self, tensors, dtype, pad=0.0):
-        buf = torch.full((self.padded,), pad, dtype=dtype)
+    def flat(self, tensors, dtype, pad=0.0, shift=0):
+        buf = torch.full((shift + self.padded,), pad, dtype=dtype)
         for t, s in zip(tensors, self.starts):
-            buf[s:s + t.numel()] = t.reshape(-1).to(dtype)
+            buf[shift + s:shift + s + t.numel()] = t.reshape(-1).to(dtype)
         return buf
 
     def unflat(self, buf, like):
@@ -73,13 +84,19 @@ def lr_at(group, step):
 
 
 def run_parity(cls, kwargs, *, world, param_dtype, grad_dtype, master, steps=STEPS, scale=None,
-               clip=None):
-    """Step the kernel and torch.optim side by side; return (ours fp32, reference fp32) lists."""
+               clip=None, align=4, shifts=(0, 0, 0)):
+    """Step the kernel and torch.optim side by side; return (ours fp32, reference fp32) lists.
+
+    Slices start at multiples of ``align``; ``shifts`` moves the origin of the shard, parameter and
+    gradient spaces (see ``Packed.rows``): offsets that agree modulo the vector width give rows with
+    aligned middles and ragged ends, offsets that disagree give scalar rows only.
+    """
     params = make_params()
-    pk = Packed(SIZES, world)
-    param_buf = pk.flat(params, param_dtype, pad=PAD_SENTINEL)
-    master_buf = pk.flat(params, torch.float32, pad=PAD_SENTINEL) if master else None
-    shard = lambda: torch.full((pk.padded,), PAD_SENTINEL)  # noqa: E731 -- state of all ranks, side by side
+    pk = Packed(SIZES, world, align=align)
+    ds, dp, dg = shifts
+    param_buf = pk.flat(params, param_dtype, pad=PAD_SENTINEL, shift=dp)
+    master_buf = pk.flat(params, torch.float32, pad=PAD_SENTINEL, shift=ds) if master else None
+    shard = lambda: torch.full((ds + pk.padded,), PAD_SENTINEL)  # noqa: E731 -- every rank's, side by side
     is_adam = cls is not torch.optim.SGD
     state = {"exp_avg": shard(), "exp_avg_sq": shard()} if is_adam else {}
     if is_adam and kwargs.get("amsgrad"):
@@ -88,15 +105,16 @@ def run_parity(cls, kwargs, *, world, param_dtype, grad_dtype, master, steps=STE
         state["momentum_buffer"] = shard()
     # state starts at zero on real elements (padding keeps the sentinel)
     real = pk.flat([torch.zeros(n) for n in SIZES], torch.float32, pad=1.0) == 0
+    real_at = lambda shift: torch.cat([torch.zeros(shift, dtype=torch.bool), real])  # noqa: E731
     for t in state.values():
-        t[real] = 0.0
+        t[real_at(ds)] = 0.0
 
     # bf16/fp16 parameters: the reference runs on fp32 copies of the initial low-precision values
     start = [p.to(param_dtype).float() for p in params]
     if master_buf is not None:
-        master_buf[real] = pk.flat(start, torch.float32)[real]
+        master_buf[real_at(ds)] = pk.flat(start, torch.float32)[real]
     ref, opt = reference(cls, start, kwargs)
-    segs = [Segments.build(pk.rows(r)) for r in range(world)]
+    segs = [Segments.build(pk.rows(r, shifts)) for r in range(world)]
 
     for step in range(1, steps + 1):
         grads = [torch.randn(n) for n in SIZES]
@@ -112,7 +130,7 @@ def run_parity(cls, kwargs, *, world, param_dtype, grad_dtype, master, steps=STE
             group["lr"] = lr_at(gi, step)
         opt.step()
 
-        grad_buf = pk.flat(grads_q, grad_dtype, pad=float("nan"))
+        grad_buf = pk.flat(grads_q, grad_dtype, pad=float("nan"), shift=dg)
         lrs = [lr_at(GROUP_OF[i], step) for i in range(len(SIZES))]
         wds = [GROUPS[GROUP_OF[i]]["weight_decay"] for i in range(len(SIZES))]
         extra = dict(
@@ -121,8 +139,8 @@ def run_parity(cls, kwargs, *, world, param_dtype, grad_dtype, master, steps=STE
         )
         for r in range(world):
             lo = r * pk.slice
-            view = {k: v[lo:lo + pk.slice] for k, v in state.items()}
-            m = None if master_buf is None else master_buf[lo:lo + pk.slice]
+            view = {k: v[lo:lo + ds + pk.slice] for k, v in state.items()}
+            m = None if master_buf is None else master_buf[lo:lo + ds + pk.slice]
             if is_adam:
                 betas = kwargs.get("betas", (0.9, 0.999))
                 coefs = adam_coefficients(
@@ -142,16 +160,17 @@ def run_parity(cls, kwargs, *, world, param_dtype, grad_dtype, master, steps=STE
                          **extra)
 
     # padding never written, in any buffer
-    for name, buf in [("param", param_buf), ("master", master_buf), *state.items()]:
+    for name, buf, shift in [("param", param_buf, dp), ("master", master_buf, ds),
+                             *((k, v, ds) for k, v in state.items())]:
         if buf is not None:
-            assert bool((buf[~real].float() == PAD_SENTINEL).all()), f"padding of {name} was written"
-    ours_state = {k: pk.unflat(v, ref) for k, v in state.items()}
+            assert bool((buf[~real_at(shift)].float() == PAD_SENTINEL).all()), f"padding of {name} was written"
+    ours_state = {k: pk.unflat(v[ds:], ref) for k, v in state.items()}
     for k, per_param in ours_state.items():
         for p, mine in zip(ref, per_param):
             assert_close_fp32(mine, opt.state[p][k], what=f"state {k}")
-    ours = pk.unflat(param_buf, ref)
+    ours = pk.unflat(param_buf[dp:], ref)
     if master_buf is not None:
-        masters = pk.unflat(master_buf, ref)
+        masters = pk.unflat(master_buf[ds:], ref)
         for mine, low in zip(masters, ours):
             assert torch.equal(mine.to(param_dtype), low), "param is not master rounded to its dtype"
         return masters, [p.detach() for p in ref], ours
@@ -225,6 +244,75 @@ def test_low_precision_params_with_master(cls, options, grad_dtype, param_dtype)
         torch.testing.assert_close(low.float(), theirs.to(param_dtype).float(), rtol=0, atol=0) \
             if torch.equal(low, theirs.to(param_dtype)) else \
             torch.testing.assert_close(low.float(), theirs.float(), rtol=2 ** -7, atol=1e-6)
+
+
+# (shard, param, grad) origins: agreeing modulo VEC but each misaligned differently in bytes (fp32 state
+# 4 bytes in, 16-bit parameters 10 bytes, gradients 18 or 36), and disagreeing (scalar rows only)
+SHIFTS = [(1, 5, 9), (3, 7, 3), (0, 1, 2)]
+
+
+@pytest.mark.parametrize("shifts", SHIFTS, ids=str)
+@pytest.mark.parametrize("cls,options,param_dtype,grad_dtype", [
+    (torch.optim.AdamW, {"amsgrad": True}, torch.float32, torch.float32),
+    (torch.optim.Adam, {}, torch.bfloat16, torch.float16),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, torch.float16, torch.bfloat16),
+], ids=["adamw-fp32", "adam-bf16", "sgd-fp16"])
+def test_rows_with_ragged_ends_in_every_space(cls, options, param_dtype, grad_dtype, shifts):
+    pk = Packed(SIZES, 3)
+    kinds = {int(v) for r in range(3) for v in Segments.build(pk.rows(r, shifts)).rows[:, 5]}
+    congruent = (shifts[0] - shifts[1]) % VEC == 0 and (shifts[0] - shifts[2]) % VEC == 0
+    assert kinds == ({0, 1} if congruent else {0})
+    ours, ref, lows = run_parity(cls, options, world=3, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                                 master=param_dtype != torch.float32, steps=6, shifts=shifts)
+    assert_fp32_parity(ours, ref)
+
+
+def test_layout_at_alignment_one_through_the_kernels():
+    """A bucket at a world size where its alignment is 1: slices of odd length at odd bucket offsets.
+    Every rank's region is congruent to the bucket modulo VEC, so most rows are still on the vector
+    path. Each rank updates its slice and the replicated tail in its own parameter buffer; the slices
+    are then gathered, as the all-gather does."""
+    world, steps = 24, 3
+    numels = list(SIZES)
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    assert alignment(sum(numels), world) == 1
+    layouts = [BucketLayout.build(range(len(numels)), numels, offsets, world, r) for r in range(world)]
+    assert any(lay.region_slice(r)[0] for r, lay in enumerate(layouts))  # some regions start padded
+    params = make_params()
+    ref, opt = reference(torch.optim.AdamW, params, {})
+    param_bufs = [torch.cat([p.reshape(-1) for p in params]) for _ in range(world)]
+    states = [{k: torch.zeros(lay.region_size) for k in ("exp_avg", "exp_avg_sq")} for lay in layouts]
+    segs = [Segments.build(lay.rows(grad_in_region=r % 2 == 0)) for r, lay in enumerate(layouts)]
+    vector = sum(int(s.rows[s.rows[:, 5] == 1, 1].sum()) for s in segs)
+    total = sum(int(s.rows[:, 1].sum()) for s in segs)
+    assert vector / total > 0.9
+    for step in range(1, steps + 1):
+        grads = [torch.randn(n) for n in SIZES]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        bucket_grad = torch.cat(grads)
+        lrs = [GROUPS[GROUP_OF[i]]["lr"] for i in range(len(SIZES))]
+        wds = [GROUPS[GROUP_OF[i]]["weight_decay"] for i in range(len(SIZES))]
+        coefs = adam_coefficients(lr=lrs, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wds, step=step,
+                                  decoupled=True)
+        for r, lay in enumerate(layouts):
+            grad = bucket_grad
+            if r % 2 == 0:  # the reduced gradient in a region of its own, as the reduce-scatter leaves it
+                grad = torch.full((lay.region_size,), float("nan"))
+                for piece in lay.pieces(r):
+                    grad[piece.region_off:piece.region_off + piece.length] = \
+                        bucket_grad[piece.bucket_off:piece.bucket_off + piece.length]
+            adam_step(segs[r], coefs, grad=grad, param=param_bufs[r], **states[r])
+        gathered = param_bufs[0].clone()
+        for r, lay in enumerate(layouts):
+            lo, hi = lay.slice_of(r)
+            gathered[lo:hi] = param_bufs[r][lo:hi]
+            assert torch.equal(param_bufs[r][lay.head:], param_bufs[0][lay.head:])  # the tail agrees
+        for buf in param_bufs:
+            buf.copy_(gathered)
+    for mine, theirs in zip(param_bufs[0].split(numels), ref):
+        assert_close_fp32(mine, theirs.detach().reshape(-1))
 
 
 @pytest.mark.parametrize("cls,options", [(torch.optim.AdamW, {"amsgrad": True}),
@@ -310,11 +398,43 @@ def test_empty_and_padding_only_slices_launch_nothing():
 
 
 def test_segments_split_rows_longer_than_block():
+    # offsets 0, 10, 20 disagree modulo VEC: one scalar row, split at BLOCK
     segs = Segments.build([(0, 5000, 10, 20, 0), (5000, 3, 7000, 7000, 1)])
     rows = segs.rows.tolist()
-    assert rows == [[0, 2048, 10, 20, 0], [2048, 2048, 2058, 2068, 0], [4096, 904, 4106, 4116, 0],
-                    [5000, 3, 7000, 7000, 1]]
+    assert rows == [[0, 2048, 10, 20, 0, 0], [2048, 2048, 2058, 2068, 0, 0], [4096, 904, 4106, 4116, 0, 0],
+                    [5000, 3, 7000, 7000, 1, 0]]
     assert (segs.shard_extent, segs.param_extent, segs.grad_extent, segs.n_params) == (5003, 7003, 7003, 2)
+
+
+def test_segments_cut_aligned_middles_and_ragged_ends():
+    assert VEC == 4
+    # offsets 1, 5, 9 agree modulo 4 (4, 20 and 36 bytes into a 16-byte vector of fp32): a 3-element
+    # head, an aligned middle split at BLOCK, a 1-element tail
+    rows = Segments.build([(1, 5000, 5, 9, 0)]).rows.tolist()
+    assert rows == [[1, 3, 5, 9, 0, 0], [4, 2048, 8, 12, 0, 1], [2052, 2048, 2056, 2060, 0, 1],
+                    [4100, 900, 4104, 4108, 0, 1], [5000, 1, 5004, 5008, 0, 0]]
+    # a piece shorter than its head, and one that is all middle
+    assert Segments.build([(2, 1, 6, 2, 3), (8, 8, 0, 4, 1)]).rows.tolist() == [
+        [2, 1, 6, 2, 3, 0], [8, 8, 0, 4, 1, 1]]
+    assert vector_elements([(1, 5000, 5, 9, 0), (0, 10, 1, 0, 1)]) == (4996, 5010)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(*(st.integers(0, 5000),) * 4, st.integers(0, 9)), max_size=8))
+def test_vector_rows_are_aligned_in_every_space_and_cover_each_piece_once(pieces):
+    """The interpreter ignores alignment hints, so a wrong vector flag would pass every parity test here
+    and fault (or corrupt) on a GPU: check the promise the flag makes on the table itself."""
+    rows = Segments.build(pieces).rows.tolist()
+    for so, n, po, go, _, vector in rows:
+        assert 0 < n <= BLOCK
+        if vector:
+            assert so % VEC == po % VEC == go % VEC == n % VEC == 0
+    covered = sorted((so, po, go, pid) for so, n, po, go, pid, _ in rows for so, po, go in
+                     zip(range(so, so + n), range(po, po + n), range(go, go + n)))
+    expected = sorted((so, po, go, pid) for so, n, po, go, pid in pieces for so, po, go in
+                      zip(range(so, so + n), range(po, po + n), range(go, go + n)))
+    assert covered == expected
+    assert vector_elements(pieces) == (sum(r[1] for r in rows if r[5]), sum(p[1] for p in pieces))
 
 
 def test_grad_sumsq_matches_torch_and_counts_non_finite():

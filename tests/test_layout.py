@@ -1,12 +1,14 @@
 """The layout module alone: no process group, no device."""
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fused_zero.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan
+from fused_zero.kernels import VEC
+from fused_zero.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan, vector_share
 
 
 def layout(numels, world, rank=0, order=None):
@@ -55,11 +57,15 @@ def test_pieces_cover_every_element_once(numels, world, shuffle):
     head_owner = {}
     for r in range(world):
         pieces = lay.pieces(r)
-        # regions are dense: pieces tile [0, region_size)
-        assert sorted((p.region_off, p.length) for p in pieces) == \
-            [(p.region_off, p.length) for p in sorted(pieces, key=lambda p: p.region_off)]
-        assert sum(p.length for p in pieces) == lay.region_size
+        # pieces do not overlap, hold exactly the slice and the tail, and sit in the rank's region
+        spans = sorted((p.region_off, p.region_off + p.length) for p in pieces)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert sum(p.length for p in pieces) == lay.shard + lay.tail
+        assert not spans or spans[-1][1] <= lay.region_tail(r)[1]
+        assert lay.region_tail(r)[1] - lay.shard - lay.tail < 2 * VEC
         for p in pieces:
+            # same place within a vector in the region and in the bucket (the kernels' vector path)
+            assert (p.region_off - p.bucket_off) % VEC == 0
             for k in range(p.length):
                 pos = p.bucket_off + k
                 assert pos == lay.offsets[p.local] + p.elem + k
@@ -68,7 +74,7 @@ def test_pieces_cover_every_element_once(numels, world, shuffle):
                     head_owner[pos] = r
     assert sorted(head_owner) == list(range(lay.head))
     for local in range(len(numels)):
-        runs = lay.owners(local)
+        runs = lay.owners(local, 0)
         assert runs[0][0] == 0 and runs[-1][1] == numels[local]
         assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
 
@@ -109,7 +115,7 @@ def test_tail_transfers_come_from_the_receiver_itself():
     old = layout([3], world=4)  # all tail: replicated
     new = BucketLayout.build([0], [3], [0], 4, 0)
     assert all(t.src == t.dst for t in reshard_plan(new, {0: (old, 0)}))
-    assert old.owners(0) == [(0, 3, REPLICATED, 0)]
+    assert old.owners(0, 2) == [(0, 3, REPLICATED, 0)]
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -119,3 +125,56 @@ def test_tail_transfers_come_from_the_receiver_itself():
 def test_bad_buckets_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         BucketLayout.build(bad["pids"], bad["numels"], bad["offsets"], 2, 0)
+
+
+def gpt2_small_shapes():
+    """Parameter shapes of GPT-2 small (124M) in registration order, embedding tied with the head."""
+    d, layers = 768, 12
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return [(50257, d), (1024, d)] + block * layers + [(d,), (d,)]
+
+
+def demo_model_shapes():
+    from fused_zero.demo_model import GPT, CharTokenizer, GPTConfig, load_corpus
+    model = GPT(GPTConfig(vocab_size=CharTokenizer(load_corpus()).vocab_size))
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def ddp_layouts(shapes, world, rank, cap_mb=25):
+    """The layouts of the buckets DDP rebuilds after its first iteration, modelled as torch does it with
+    gradients ready in reverse registration order: torch's own bucket assignment (1 MB first bucket,
+    then ``cap_mb``), each bucket's parameters back to back in bucket order."""
+    import torch
+    import torch.distributed as dist
+    order = list(reversed(range(len(shapes))))
+    tensors = [torch.empty(shapes[i], device="meta") for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, [dist._DEFAULT_FIRST_BUCKET_BYTES, cap_mb * 2 ** 20])
+    layouts = []
+    for bucket in buckets:
+        pids = [order[i] for i in bucket]
+        numels = [math.prod(shapes[p]) for p in pids]
+        offsets = [sum(numels[:k]) for k in range(len(numels))]
+        layouts.append(BucketLayout.build(pids, numels, offsets, world, rank))
+    return layouts
+
+
+@pytest.mark.parametrize("world", [1, 2, 8, 64])
+@pytest.mark.parametrize("model", ["gpt2_small", "demo"])
+def test_vector_path_covers_at_least_99_percent(model, world):
+    shapes = gpt2_small_shapes() if model == "gpt2_small" else demo_model_shapes()
+    if model == "gpt2_small":
+        assert sum(math.prod(s) for s in shapes) == 124_439_808
+    for grad_in_region in (True, False):
+        layouts = [lay for rank in range(world) for lay in ddp_layouts(shapes, world, rank)]
+        share = vector_share(layouts, grad_in_region=grad_in_region)
+        print(f"{model} W={world} grad_in_region={grad_in_region}: {share:.6f} of the elements on the vector path")
+        assert share >= 0.99
+
+
+def test_vector_share_counts_only_aligned_runs():
+    # 10 elements at bucket offsets 0..9: with W=1 the region is the bucket; rows [0,4) and [4,8) vector
+    lay = BucketLayout.build([0, 1], [3, 7], [0, 3], 1, 0)
+    assert vector_share([lay], grad_in_region=False) == pytest.approx(4 / 10)  # [4, 8); [0,3),[3,4),[8,10) not
+    odd = BucketLayout.build([0], [1000], [0], 1, 0)
+    assert vector_share([odd], grad_in_region=True) == 1000 / 1000
