@@ -1,0 +1,175 @@
+"""Every kernel variant compiled for real GPUs (sm_80, sm_90) on the CPU, and its PTX checked.
+
+The interpreter runs the kernels' arithmetic but not Triton's compiler: it cannot tell whether the
+vector path really vectorizes (alignment hints are no-ops there), whether a variant lowers at all, or
+whether registers spill. ``triton.compile`` can, with no GPU: this file compiles each variant with the
+specialization the JIT gives 16-byte aligned tensors and checks the PTX:
+
+- fp32 streams load and store with ``ld.global.v4.b32`` / ``st.global.v4.b32`` (16 bytes);
+- 16-bit parameter and gradient streams with ``.v2.b32`` (8 bytes) or wider;
+- the update kernels move nothing through shared memory (one layout for every stream: see VEC in
+  kernels/segments.py), and no variant uses local memory (``.local`` in the PTX, or spill/stack bytes
+  in the cubin's resource usage).
+
+tests/conftest.py turns the interpreter on for this process, so the compilation runs in a child
+process without it (this file, run as a script). Triton caches what it compiles: a second run takes
+seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ARCHS = (80, 90)
+# (parameter dtype, gradient dtype, fp32 master weights)
+DTYPES = [("fp32", "fp32", False), ("bf16", "bf16", True), ("bf16", "bf16", False), ("fp16", "fp16", True),
+          ("fp16", "fp16", False), ("bf16", "fp32", True)]
+FIXED = ("N_COEF", "VEC", "BLOCK", "SCALAR_BLOCK", "HAS_MASTER", "PARAM_BF16")
+
+
+def variants():
+    """(kernel name, dtypes, constexprs) of every variant: every dtype combination with every boolean
+    flag off, and with every flag on (the most live values: the likeliest to spill)."""
+    from fused_zero.kernels import BLOCK, N_ADAM_COEFS, N_SGD_COEFS, VEC, adam, norm, sgd
+    from fused_zero.kernels._common import SCALAR_BLOCK
+
+    sizes = {"VEC": VEC, "BLOCK": BLOCK, "SCALAR_BLOCK": SCALAR_BLOCK}
+    for (name, fn, n_coef), (pdt, gdt, master), on in itertools.product(
+            [("adam", adam._adam_kernel, N_ADAM_COEFS), ("sgd", sgd._sgd_kernel, N_SGD_COEFS),
+             ("norm", norm._grad_sumsq_kernel, N_ADAM_COEFS)], DTYPES, (False, True)):
+        if name == "norm" and (master or pdt != gdt):
+            continue  # the norm reads gradients only
+        flags = {p.name: on for p in fn.params if p.is_constexpr and p.name not in FIXED}
+        const = {"N_COEF": n_coef, **sizes, **flags}
+        if name != "norm":
+            const.update(HAS_MASTER=master, PARAM_BF16=pdt == "bf16")
+        yield name, fn, (pdt, gdt, master), const
+
+
+def compile_one(job: tuple[int, int]) -> dict:
+    """Compile variant number ``job[1]`` for sm_``job[0]`` (in a process without TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fused_zero.kernels._common import FP_FUSION, NUM_WARPS
+
+    arch, index = job
+    name, fn, (pdt, gdt, master), const = list(variants())[index]
+    dtype_of = {"rows_ptr": "*i64", "grad_ptr": "*" + gdt, "param_ptr": "*" + pdt}
+    sig = {p.name: "constexpr" if p.is_constexpr else dtype_of.get(p.name, "*fp32") for p in fn.params}
+    # what the JIT specializes for tensors whose data_ptr() % 16 == 0
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if not p.is_constexpr}
+    result = {"kernel": name, "arch": arch, "param": pdt, "grad": gdt, "master": master,
+              "flags": {k: v for k, v in const.items() if isinstance(v, bool)}}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                           target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": NUM_WARPS, "enable_fp_fusion": FP_FUSION})
+    except Exception as e:  # reported, not raised: the test names every failing variant
+        return {**result, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+    ptx = k.asm["ptx"]
+    result["ops"] = sorted(set(re.findall(r"\b(?:ld|st)\.(?:global|shared|local)[.\w]*", ptx)))
+    result["ptx_local"] = bool(re.search(r"\.local\b", ptx))
+    result["resources"] = None
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump) and "cubin" in k.asm:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        found = re.search(r"STACK:(\d+).*LOCAL:(\d+)", usage)
+        result["resources"] = {"stack": int(found[1]), "local": int(found[2])} if found else usage[-500:]
+    return result
+
+
+def compile_all() -> list[dict]:
+    """Every variant for every arch, on every core."""
+    jobs = list(itertools.product(ARCHS, range(len(list(variants())))))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
+def has_nvidia_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not has_nvidia_backend():
+        pytest.skip("the installed triton has no NVIDIA backend: nothing to compile PTX with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def describe(r: dict) -> str:
+    on = sorted(k for k, v in r["flags"].items() if v)
+    return f"{r['kernel']} sm_{r['arch']} param={r['param']} grad={r['grad']} master={r['master']} on={on}"
+
+
+def test_every_variant_compiles(compiled):
+    # adam and sgd: every dtype combination, flags off and on; norm: three gradient dtypes, off and on
+    assert len(compiled) == len(ARCHS) * (2 * 2 * len(DTYPES) + 2 * 3)
+    failed = [f"{describe(r)}: {r['error']}" for r in compiled if "error" in r]
+    assert not failed, "\n".join(failed)
+
+
+def test_no_variant_uses_local_memory(compiled):
+    for r in compiled:
+        if "error" in r:
+            continue
+        assert not r["ptx_local"], f"{describe(r)}: .local in the PTX"
+        if r["resources"] is not None:
+            assert r["resources"] == {"stack": 0, "local": 0}, f"{describe(r)}: {r['resources']}"
+
+
+def test_vector_path_streams_16_bytes_fp32_and_8_bytes_16_bit(compiled):
+    for r in compiled:
+        if "error" in r:
+            continue
+        ops, what = set(r["ops"]), describe(r)
+        sixteen_bit = {"bf16", "fp16"}
+        if r["kernel"] == "norm":
+            want = {"ld.global.v4.b32"} if r["grad"] == "fp32" else {"ld.global.v2.b32"}
+        else:
+            # fp32 streams: moments (adam), momentum (sgd), master weights, fp32 parameters or gradients
+            fp32_state = r["kernel"] == "adam" or r["flags"].get("HAS_MOMENTUM") or r["master"] \
+                or r["param"] == "fp32"
+            want = {"ld.global.v4.b32", "st.global.v4.b32"} if fp32_state else set()
+            if r["grad"] == "fp32":
+                want.add("ld.global.v4.b32")
+            if r["grad"] in sixteen_bit:
+                want.add("ld.global.v2.b32")
+            if r["param"] in sixteen_bit:
+                want.add("st.global.v2.b32")
+                if not r["master"]:
+                    want.add("ld.global.v2.b32")
+            # one layout for every stream: nothing converted through shared memory
+            assert not any(op.startswith(("ld.shared", "st.shared")) for op in ops), f"{what}: {sorted(ops)}"
+        assert want <= ops, f"{what}: missing {sorted(want - ops)} in {sorted(ops)}"
+        # the ragged ends still have their scalar path (the hints did not leak onto it)
+        if r["kernel"] == "norm":
+            scalar = "ld.global.b16" if r["grad"] in sixteen_bit else None
+        else:
+            scalar = "st.global.b32" if fp32_state else "st.global.b16"
+        assert scalar is None or scalar in ops, f"{what}: no scalar path left in {sorted(ops)}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
