@@ -419,7 +419,7 @@ def test_segments_cut_aligned_middles_and_ragged_ends():
     assert vector_elements([(1, 5000, 5, 9, 0), (0, 10, 1, 0, 1)]) == (4996, 5010)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(*(st.integers(0, 5000),) * 4, st.integers(0, 9)), max_size=8))
 def test_vector_rows_are_aligned_in_every_space_and_cover_each_piece_once(pieces):
     """The interpreter ignores alignment hints, so a wrong vector flag would pass every parity test here
