@@ -45,6 +45,20 @@ class _UsedFlags:
 
 
 @dataclass
+class _PendingSteps:
+    """The step counts one update adds, known on the host only once device flags are copied back:
+    whether some rank found its gradients non-finite (then the update wrote nothing and counts no
+    step) and, where DDP may skip parameters, which got a gradient on some rank. Settled at the next
+    iteration's first hook, long after the copies finished: the step path never waits for the device.
+    """
+
+    pids: np.ndarray
+    active: np.ndarray | None  # known on the host, else counted from ``used``
+    used: tuple | None  # (host copy of the all-reduced used counts, event to synchronize first)
+    found: tuple  # (host copy of the update's skip flag, event to synchronize first)
+
+
+@dataclass
 class _Reduced:
     """A bucket whose reduction has been started: its shard, the parameters that got a gradient (known
     on the host, or being all-reduced) and the Works to wait for."""
@@ -87,7 +101,7 @@ class Engine:
     Attributes (the main ones):
         params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
         steps: each parameter's step count, on the host (replicated on every rank). Where DDP may
-            skip parameters, the counts of the last update wait in ``_pending_steps`` until read.
+            the counts of the last updates wait in ``_pending_steps`` until read (_PendingSteps).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
@@ -117,8 +131,7 @@ class Engine:
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         self._steps = np.zeros(len(self.params), dtype=np.float64)
-        # (pids, host "used on some rank" counts, event to synchronize first) not yet in _steps
-        self._pending_steps: list[tuple[np.ndarray, torch.Tensor, object]] = []
+        self._pending_steps: list[_PendingSteps] = []  # updates not yet counted in _steps
         # what the kernel divides each parameter's reduced gradient by: 1 where the reduction averaged
         self.grad_div = np.array([1.0 if self._pre_divides(p.dtype) else float(self.world) for p in self.params])
         self.side = SideStream(self.device)
@@ -161,12 +174,21 @@ class Engine:
         self._steps = np.asarray(value, dtype=np.float64)
 
     def _settle_steps(self) -> None:
-        """Count the updates whose parameters' activity was all-reduced on the device. Called where the
-        copies are long done: the next iteration's first hook, or a reader of ``steps`` (checkpoints)."""
-        for pids, used, event in self._pending_steps:
+        """Count the updates of the last iteration. Called where the copies are long done: the next
+        iteration's first hook, or a reader of ``steps`` (checkpoints)."""
+        for pending in self._pending_steps:
+            found, event = pending.found
             if event is not None:
                 event.synchronize()
-            self._steps[pids] += used.numpy() > 0
+            if bool(found.reshape(-1)[0] != 0):
+                continue
+            if pending.used is None:
+                self._steps[pending.pids] += pending.active
+                continue
+            used, event = pending.used
+            if event is not None:
+                event.synchronize()
+            self._steps[pending.pids] += used.numpy() > 0
         self._pending_steps = []
 
     def shards(self) -> list[BucketShard]:
@@ -335,49 +357,45 @@ class Engine:
         """Every parameter's update scalars for this step, one row per parameter (host float32)."""
         return self.algo.coefficients(hparams, self.group_of, self._steps + active, active, self.grad_div)
 
-    def _coefs_for(self, it: _Iteration, shard: BucketShard, active: np.ndarray | _UsedFlags) -> torch.Tensor:
+    def _coefs_for(self, it: _Iteration, shard: BucketShard,
+                   active: np.ndarray | _UsedFlags) -> tuple[torch.Tensor, tuple | None]:
         """The table a bucket's update reads: the iteration's shared one (every row active), with this
         bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
-        the host knows that some parameter of the bucket got no gradient."""
+        the host knows that some parameter of the bucket got no gradient. With device flags, also the
+        started host copy of them (for the step counts)."""
         if it.coefs is None:
             it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(len(self.params))))
         if isinstance(active, _UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
             it.coefs[:, 0].index_copy_(0, pids, (used > 0).to(it.coefs.dtype))
-            self._pending_steps.append((shard.pids, *self.side.download(used)))
-            return it.coefs
+            return it.coefs, self.side.download(used)
         if active.all():
-            return it.coefs
+            return it.coefs, None
         mask = np.ones(len(self.params))
         mask[shard.pids] = active
-        return self.side.upload(self._coefficient_table(it.hparams, mask))
+        return self.side.upload(self._coefficient_table(it.hparams, mask)), None
 
     def _update(self, it: _Iteration, items: list[_Reduced], max_norm: float | None = None) -> None:
         """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
         is written, on every rank, and their step counts stay)."""
-        pending = len(self._pending_steps)
-        coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
+        coefs, used = zip(*(self._coefs_for(it, item.shard, item.active) for item in items))
         for item in items:
             item.shard.wait_gather()
         found, clip = self._check(it, items, coefs, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
-        skip = self._host_flag(found)
-        if skip:  # the used flags of a skipped update count no step
-            del self._pending_steps[pending:]
-        for item, table in zip(items, coefs):
+        skipped = self.side.download(found)  # read at the next iteration: the kernels read ``found``
+        for item, table, flags in zip(items, coefs, used):
             shard = item.shard
             grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
             shard.reduced_buffer = None
-            if skip:
-                continue
             with range_push(f"fused_zero.update[{shard.layout.numel}]"):
                 self.algo.update(self.backend, shard.rows, shard.segments, table, UpdateArgs(
                     grad, shard.param_buffer, shard.state, grad_scale=it.grad_scale, found_inf=found,
                     clip_coef=clip))
             self.side.mark_updated()
-            if not isinstance(item.active, _UsedFlags):  # else counted from the flags (_settle_steps)
-                self._steps[shard.pids] += item.active
-            self._start_gather(shard)
+            self._pending_steps.append(_PendingSteps(
+                shard.pids, None if flags is not None else item.active, flags, skipped))
+            self._start_gather(shard)  # a skipped update gathers the unchanged parameters
 
     def _check(self, it: _Iteration, items: list[_Reduced], tables: list[torch.Tensor],
                max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -402,9 +420,7 @@ class Engine:
         return found, clip
 
     def _host_flag(self, flag: torch.Tensor) -> bool:
-        """A device flag on the host. Step counts live on the host, so a skipped step must be known
-        there; on CPU this is free. TODO(cuda): keep skip counts on the device and fix the table's
-        bias-correction columns there, so that CUDA does not synchronize here."""
+        """A device flag on the host: a synchronization on CUDA, paid only by on_nonfinite='raise'."""
         return bool(flag)
 
     def _start_gather(self, shard: BucketShard) -> None:

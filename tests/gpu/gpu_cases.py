@@ -211,6 +211,49 @@ def case_engine_world1():
     run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
 
 
+def _no_host_sync(rank, world):
+    """GradScaler on fp16 with fp32 masters, an inf on some steps: after the warm-up iterations (DDP
+    rebuilds its buckets), the backward and the step run under torch's sync debug mode set to "error",
+    so any host synchronization on the step path (a .item(), a blocking copy) fails the case."""
+    from scenarios import VOCAB, OddNet, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    device = torch.device("cuda", 0)
+    for overlap in ("step", "backward"):
+        torch.manual_seed(1234)
+        model = OddNet()
+        model.never.requires_grad_(False)
+        model.to(device=device, dtype=torch.float16)
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.0001)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-3, ddp=ddp, overlap=overlap, grad_scaler=scaler)
+        for step in range(1, 9):
+            x, y = (t.to(device) for t in batch(step, 0, rank))
+            if step > 3:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = F.cross_entropy(ddp(x, use_branch=True).float().reshape(-1, VOCAB), y.reshape(-1))
+                if step in (5, 7):
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        if opt.skipped_steps != 2:
+            raise AssertionError(f"overlap={overlap}: {opt.skipped_steps} skipped steps, expected 2")
+        opt._engine.close()
+
+
+def case_no_host_sync():
+    from fused_zero.spawn import run_ranks
+
+    run_ranks(_no_host_sync, 1, backend="nccl", timeout=300)
+
+
 def case_engine_sanitized():
     """The world-1 engine checks again, fewer steps, with torch's CUDA sanitizer on: the parent sets
     TORCH_CUDA_SANITIZER=1, which torch reads at import (it sees torch's ops, not Triton's launches)."""

@@ -39,6 +39,10 @@ def test_engine_world1_every_mode():
     run_case("engine_world1")
 
 
+def test_step_path_never_syncs_the_host():
+    run_case("no_host_sync")
+
+
 def test_two_gloo_ranks_on_one_gpu():
     run_case("two_ranks_one_gpu")
 
