@@ -8,8 +8,13 @@ refused here, at setup:
 - ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` becomes the optimizer's
   ``max_grad_norm`` (it needs ``overlap="step"``: only then are all gradients reduced before any
   update), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by value is refused.
-- ``precision="16-mixed"`` (a GradScaler) is refused until fused_zero supports loss scaling;
-  ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit work.
+- ``precision="16-mixed"``: Lightning's GradScaler (its ``MixedPrecision`` plugin's) is handed to the
+  optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or ``"backward"`` and is
+  refused at setup with ``overlap="bucket"``. The plugin then steps as it does for torch's fused
+  optimizers: no ``scaler.unscale_`` (the optimizer sets ``_step_supports_amp_scaling``: the kernel
+  unscales), ``scaler.step(optimizer)``, ``scaler.update()``; a clip maps to ``max_grad_norm``, which
+  clips the unscaled gradients. ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit need no
+  scaler.
 - ``accumulate_grad_batches`` works through Lightning's own ``no_sync``; LR schedulers as usual.
 - Checkpoints: ``optimizer.state_dict()`` is a collective, and this strategy asks for it on every
   rank (Lightning builds the checkpoint dict on every rank and writes it from rank 0).
@@ -50,10 +55,6 @@ class FusedZeroStrategy(DDPStrategy):
         self._sharding = {k: v for k, v in given.items() if v is not None}
         self._max_grad_norm: float | None = None
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        _refuse_loss_scaling(self.precision_plugin)
-        super().setup(trainer)
-
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         ours = [o for o in self.optimizers if isinstance(o, _ShardedOptimizer)]
@@ -67,13 +68,20 @@ class FusedZeroStrategy(DDPStrategy):
         clip = self._map_gradient_clipping(trainer, opt)
         if clip is not None:
             options["max_grad_norm"] = clip
+        scaler = self._loss_scaler(opt)
         if opt.attached:  # built with ddp=self.trainer.strategy.model: nothing left to do but check
             if opt._engine.ddp is not self.model:
                 raise RuntimeError("the optimizer is attached to another DDP module than the strategy's")
             if options:
                 raise ValueError(f"the optimizer was attached in configure_optimizers; give {sorted(options)} "
                                  "there, not to FusedZeroStrategy")
+            if opt._options.get("grad_scaler") is not scaler:
+                raise ValueError("the optimizer was attached in configure_optimizers without Lightning's "
+                                 "GradScaler: give it grad_scaler=self.trainer.precision_plugin.scaler there, "
+                                 "or leave ddp= out and let FusedZeroStrategy attach it")
         else:
+            if scaler is not None:
+                options["grad_scaler"] = scaler
             opt.attach(self.model, **options)
         self._wrap_clipping(opt)
 
@@ -95,6 +103,27 @@ class FusedZeroStrategy(DDPStrategy):
                              "other modes update the parameters during the backward")
         self._max_grad_norm = float(value)
         return self._max_grad_norm
+
+    def _loss_scaler(self, opt: _ShardedOptimizer):
+        """Lightning's GradScaler (``precision="16-mixed"``), which the optimizer must know from the
+        backward on (``grad_scaler=``); None without one. Refused where the mode cannot take it, or
+        where the optimizer was given a scaler Lightning does not step through."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        own = opt._options.get("grad_scaler")
+        if own is not None and own is not scaler:
+            raise ValueError("the optimizer was given grad_scaler=..., but Lightning steps it through "
+                             + ("its own GradScaler" if scaler is not None else "no GradScaler (this precision "
+                                f"is {self.precision_plugin.precision!r})")
+                             + ": leave grad_scaler out, FusedZeroStrategy hands Lightning's scaler over")
+        if scaler is None:
+            return None
+        overlap = self._sharding.get("overlap", opt._options.get("overlap", "bucket"))
+        if overlap not in ("step", "backward"):
+            raise ValueError(f"precision='16-mixed' (a GradScaler) needs FusedZeroStrategy(overlap='step') or "
+                             f"overlap='backward' (got overlap={overlap!r}): with overlap='bucket' a bucket is "
+                             "updated before the later buckets' overflow check is known. Or train in "
+                             "precision='bf16-mixed', which needs no scaler")
+        return scaler
 
     def _wrap_clipping(self, opt: _ShardedOptimizer) -> None:
         """Lightning clips ``param.grad`` between the backward and ``step()``; the optimizer clips the
@@ -120,9 +149,3 @@ class FusedZeroStrategy(DDPStrategy):
         """The optimizer's canonical state dict, on every rank: ``state_dict()`` is a collective."""
         return getattr(optimizer, "_optimizer", optimizer).state_dict()
 
-
-def _refuse_loss_scaling(plugin) -> None:
-    """The one place to lift when fused_zero supports torch.amp.GradScaler."""
-    if getattr(plugin, "scaler", None) is not None:
-        raise ValueError("precision='16-mixed' needs torch.amp.GradScaler, which fused_zero does not support "
-                         "yet; use precision='bf16-mixed', 'bf16-true' or '32-true'")

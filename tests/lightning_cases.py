@@ -28,16 +28,20 @@ BATCH = 4
 
 
 class Net(pl.LightningModule):
-    def __init__(self, optimizer: str = "fused", scheduler: bool = False, **opt_kwargs):
+    def __init__(self, optimizer: str = "fused", scheduler: bool = False, inject: int | None = None, **opt_kwargs):
         super().__init__()
         torch.manual_seed(0)
         self.l1, self.l2, self.l3 = nn.Linear(8, 33), nn.Linear(33, 17), nn.Linear(17, 5)
         self.optimizer, self.scheduler, self.opt_kwargs = optimizer, scheduler, opt_kwargs
+        self.inject = inject  # the batch at which the last rank's loss (so its gradient) turns infinite
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         h = torch.tanh(self.l2(torch.tanh(self.l1(x.to(self.l1.weight.dtype)))))
-        return F.cross_entropy(self.l3(h).float(), y)
+        loss = F.cross_entropy(self.l3(h).float(), y)
+        if batch_idx == self.inject and self.global_rank == self.trainer.world_size - 1:
+            loss = loss * float("inf")
+        return loss
 
     def configure_optimizers(self):
         cls = fused_zero.AdamW if self.optimizer == "fused" else torch.optim.AdamW
@@ -53,10 +57,12 @@ class Record(pl.Callback):
     """Every parameter after every training batch."""
 
     def __init__(self):
-        self.params = []
+        self.params, self.scales = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append([p.detach().float().clone() for p in pl_module.parameters()])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(None if scaler is None else scaler.get_scale())
 
 
 def loader(batches_per_rank: int, world: int) -> DataLoader:
@@ -66,7 +72,15 @@ def loader(batches_per_rank: int, world: int) -> DataLoader:
     return DataLoader(data, batch_size=BATCH, shuffle=False)
 
 
-def fit(model, strategy, world, tmp, *, batches, epochs=1, callbacks=(), ckpt_path=None, **trainer_kw):
+def fp16_plugin() -> MixedPrecision:
+    """``precision="16-mixed"`` as Lightning builds it on a GPU (a GradScaler; on CPU it would run bf16
+    without one), with a small scale that grows every 3 steps."""
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
+                                                                          growth_interval=3))
+
+
+def fit(model, strategy, world, tmp, *, batches, epochs=1, callbacks=(), ckpt_path=None, scales=None,
+        **trainer_kw):
     record = Record()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs,
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -74,6 +88,8 @@ def fit(model, strategy, world, tmp, *, batches, epochs=1, callbacks=(), ckpt_pa
                          num_sanity_val_steps=0, default_root_dir=tmp, callbacks=[record, *callbacks],
                          **trainer_kw)
     trainer.fit(model, loader(batches, world), ckpt_path=ckpt_path)
+    if scales is not None:
+        scales.extend(record.scales)
     return record.params
 
 
@@ -130,6 +146,17 @@ def run(rank: int, world: int, tmp: str) -> dict:
     resumed = fit(Net(scheduler=True), FusedZeroStrategy(), world, tmp, batches=3, epochs=2, ckpt_path=first)
     out["resume"] = differences(resumed, whole[3:], rank)
 
+    # 16-mixed: Lightning's GradScaler steps both; the last rank's gradient is infinite at batch 2
+    out["fp16"], out["fp16_scales"] = {}, {}
+    for name, overlap, clip in (("backward", "backward", None), ("step-clip", "step", 0.05)):
+        ref_scales, scales = [], []
+        ref = fit(Net("torch", inject=2), DDPStrategy(), world, tmp, batches=steps, plugins=[fp16_plugin()],
+                  gradient_clip_val=clip, scales=ref_scales)
+        ours = fit(Net(inject=2), FusedZeroStrategy(overlap=overlap), world, tmp, batches=steps,
+                   plugins=[fp16_plugin()], gradient_clip_val=clip, scales=scales)
+        out["fp16"][name] = differences(ours, ref, rank, exact=clip is None)
+        out["fp16_scales"][name] = (scales, ref_scales)
+
     bf16 = fit(Net(), FusedZeroStrategy(), world, tmp, batches=3, precision="bf16-true")
     flat = torch.cat([p.reshape(-1) for p in bf16[-1]])
     gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -146,9 +173,10 @@ def run(rank: int, world: int, tmp: str) -> dict:
                 r"gradient_clip_val needs FusedZeroStrategy\(overlap='step'\) \(got overlap='bucket'\)"),
         refusal(fails(strategy=FusedZeroStrategy(overlap="step"), gradient_clip_val=1.0,
                       gradient_clip_algorithm="value"), ValueError, "gradient_clip_algorithm='value' is not supported"),
-        # on CPU Lightning turns precision="16-mixed" into bf16; its GPU form is this plugin, with a scaler
-        refusal(fails(plugins=[MixedPrecision("16-mixed", "cpu")]), ValueError,
-                "16-mixed' needs torch.amp.GradScaler"),
+        refusal(fails(plugins=[fp16_plugin()]), ValueError, r"precision='16-mixed' \(a GradScaler\) needs "
+                r"FusedZeroStrategy\(overlap='step'\) or overlap='backward' \(got overlap='bucket'\)"),
+        refusal(fails(model=Net(overlap="step", grad_scaler=torch.amp.GradScaler("cpu")), plugins=[fp16_plugin()]),
+                ValueError, "Lightning steps it through its own GradScaler: leave grad_scaler out"),
         refusal(fails(model=Net("torch")), TypeError, r"exactly one fused_zero optimizer .*\['AdamW'\]"),
         refusal(fails(model=Net(overlap="step"), strategy=FusedZeroStrategy(overlap="bucket")), ValueError,
                 "given to attach.*give it once"),
