@@ -10,8 +10,17 @@ the attachment comes right after it. Then the usual loop works: ``accelerator.ba
 ``accelerator.save_state`` / ``load_state`` (``state_dict()`` is called on every rank, as fused_zero
 needs), ``accelerate launch``. ``accelerator.clip_grad_norm_`` of the model's parameters becomes this
 step's ``max_grad_norm`` (``overlap="step"`` only; it returns None, as Accelerate does under DeepSpeed:
-the norm is computed inside ``step()``). Refused with a message: fp16 mixed precision (a GradScaler),
-``clip_grad_value_`` and clipping in the other overlap modes.
+the norm is computed inside ``step()``; no ``scaler.unscale_`` either: the optimizer clips the unscaled
+gradients). Refused with a message: ``clip_grad_value_`` and clipping in the other overlap modes.
+
+``mixed_precision="fp16"``: Accelerate's GradScaler (the one its optimizer wrapper steps through) is
+handed to the optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or
+``"backward"``; ``overlap="bucket"`` is refused there. The wrapper then steps as it does for torch's
+fused optimizers (``scaler.step(optimizer)``, ``scaler.update()``), and its ``step_was_skipped`` (which
+Accelerate's scheduler wrapper reads so as not to advance on an overflow) reports the optimizer's own
+found-inf flag. ``accelerator.unscale_gradients()`` (``scaler.unscale_`` of every optimizer, which
+Accelerate's own ``clip_grad_norm_`` also calls) leaves this optimizer out: its update unscales the
+reduced gradients itself; naming it explicitly is refused.
 
 Needs the ``accelerate`` extra: ``pip install "fused-zero[accelerate]"``.
 """
@@ -32,17 +41,98 @@ def attach(accelerator, model, optimizer, **options) -> None:
     if not isinstance(opt, _ShardedOptimizer):
         raise TypeError(f"attach needs the fused_zero optimizer that accelerator.prepare returned, got "
                         f"{type(opt).__module__}.{type(opt).__qualname__}")
-    if getattr(accelerator, "scaler", None) is not None:
-        raise ValueError("mixed_precision='fp16' needs torch.amp.GradScaler, which fused_zero does not support "
-                         "yet; use mixed_precision='bf16' or 'no'")
+    scaler = optimizer.scaler if isinstance(optimizer, AcceleratedOptimizer) else getattr(accelerator, "scaler", None)
+    _check_loss_scaling(accelerator, opt, scaler, options)
     if "DistributedDataParallel" not in type(model).__name__ and accelerator.num_processes == 1:
         raise TypeError(f"accelerator.prepare returned a {type(model).__name__}, not a DistributedDataParallel "
                         "module: this is one process. fused_zero shards over DDP ranks: launch several "
                         "(accelerate launch --multi_gpu --num_processes N script.py; on CPUs build "
                         "Accelerator(cpu=True))")
+    if scaler is not None:
+        options = {**options, "grad_scaler": scaler}
     opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
     _route_clipping(accelerator, opt)
+    if scaler is not None:
+        _keep_unscaling_out(accelerator, opt)
+        if isinstance(optimizer, AcceleratedOptimizer):
+            _report_skipped_steps(optimizer, opt)
     _unshare_saved_weights(accelerator, model)
+
+
+def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
+    """Accelerate's GradScaler must be the optimizer's (it scales the loss of every backward, which the
+    optimizer's update divides by), in a mode that can take one."""
+    own = opt._options.get("grad_scaler", options.get("grad_scaler"))
+    if own is not None and own is not scaler:
+        raise ValueError("the optimizer was given grad_scaler=..., but Accelerate steps it through "
+                         + ("its own GradScaler (accelerator.scaler)" if scaler is not None else
+                            f"no GradScaler (mixed_precision={accelerator.mixed_precision!r})")
+                         + ": leave grad_scaler out, attach hands Accelerate's scaler over")
+    if scaler is None:
+        return
+    overlap = options.get("overlap", opt._options.get("overlap", "bucket"))
+    if overlap not in ("step", "backward"):
+        raise ValueError(f"mixed_precision='fp16' (a GradScaler) needs overlap='step' or overlap='backward' "
+                         f"(got overlap={overlap!r}): with overlap='bucket' a bucket is updated before the later "
+                         "buckets' overflow check is known. Build the optimizer with overlap='step' (or "
+                         "'backward'), or use mixed_precision='bf16', which needs no scaler")
+
+
+def _keep_unscaling_out(accelerator, opt: _ShardedOptimizer) -> None:
+    """``scaler.unscale_(opt)`` would unscale ``param.grad``, which the update does not read (it divides
+    its reduced slices by the loss scale, unless told the gradients are unscaled already): so Accelerate's
+    unscaling of all optimizers skips this one, and a request for this one is refused."""
+    unscale = accelerator.unscale_gradients
+
+    def unwrap(o):
+        while isinstance(o, AcceleratedOptimizer):
+            o = o.optimizer
+        return o
+
+    def unscale_gradients(optimizer=None):
+        if optimizer is None:
+            named, optimizers = False, list(accelerator._optimizers)
+        else:
+            named, optimizers = True, list(optimizer) if isinstance(optimizer, (tuple, list)) else [optimizer]
+        if named and any(unwrap(o) is opt for o in optimizers):
+            raise RuntimeError("accelerator.unscale_gradients() of a fused_zero optimizer: its update divides the "
+                               "reduced gradients by the loss scale itself, and param.grad keeps the scaled "
+                               "values. Clip with accelerator.clip_grad_norm_(model.parameters(), ...) "
+                               "(overlap='step'), which needs no unscaling")
+        others = [o for o in optimizers if unwrap(o) is not opt]
+        if others:
+            unscale(others)
+
+    accelerator.unscale_gradients = unscale_gradients
+
+
+class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, for a fused_zero optimizer stepped through a GradScaler.
+
+    Accelerate learns that ``scaler.step()`` skipped an overflow step from the wrapped ``step()`` not
+    being called; a fused_zero optimizer (like torch's fused ones) is always called and skips the update
+    itself. ``step_was_skipped`` reads the optimizer's own flag instead, when asked: no host sync on the
+    step path, one where Accelerate asks (its scheduler wrapper, every step; GradScaler's own step makes
+    that sync for torch.optim optimizers)."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        skipped = self._fused_zero_skipped
+        return False if skipped is None else bool(skipped)
+
+
+def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimizer) -> None:
+    engine = opt._engine
+    counts = [engine.skipped.clone()]  # the optimizer's skipped-step counter, as of the last step
+
+    def after_step(*_):
+        now = engine.skipped.clone()
+        accelerated._fused_zero_skipped = now != counts[0]  # device tensors: read only when asked
+        counts[0] = now
+
+    accelerated._fused_zero_skipped = None
+    accelerated.__class__ = _ShardedAcceleratedOptimizer
+    opt.register_step_post_hook(after_step)
 
 
 def _route_clipping(accelerator, opt: _ShardedOptimizer) -> None:

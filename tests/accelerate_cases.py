@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -32,10 +33,32 @@ def model_and_data(world):
     return model, DataLoader(data, batch_size=BATCH, shuffle=False)
 
 
-def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=None):
-    """Returns the parameters after every optimizer step (and what clip_grad_norm_ returned)."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+def fp16_accelerator(**kwargs) -> Accelerator:
+    """``Accelerator(mixed_precision="fp16")`` as it is on a GPU. On CPU Accelerate leaves fp16 off (no
+    autocast, no GradScaler: ``Accelerator.__init__`` sets them only for other devices); these are the
+    two attributes it sets there, with a CPU scaler. From ``prepare`` on, Accelerate's own fp16 code
+    runs: the autocast forward, ``backward`` scaling the loss, the optimizer wrapper stepping through
+    ``scaler.step``/``scaler.update`` and reporting ``step_was_skipped`` to the scheduler wrapper."""
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", **kwargs)
+    accelerator.native_amp = True
+    accelerator.scaler = scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    accelerator.unscale_calls = []  # scaler.unscale_ must never reach a fused_zero optimizer
+    unscale = scaler.unscale_
+    scaler.unscale_ = lambda opt: (accelerator.unscale_calls.append(type(opt).__module__), unscale(opt))[1]
+    return accelerator
+
+
+def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=None, fp16=False, inject=None,
+          extra=None):
+    """Returns the parameters after every optimizer step (and what clip_grad_norm_ returned).
+    ``inject``: the batch at which the last rank's loss (so its gradient) turns infinite; ``extra``
+    gets the loss scale, ``optimizer_step_was_skipped``, the LR and the first layer's output dtype after
+    every optimizer step."""
+    make = fp16_accelerator if fp16 else lambda **kw: Accelerator(cpu=True, **kw)
+    accelerator = make(gradient_accumulation_steps=ACCUMULATE)
     model, loader = model_and_data(world)
+    linear_out = []  # the dtype the first layer computes in (fp16 under Accelerate's autocast)
+    model[0].register_forward_hook(lambda module, args, output: linear_out.append(str(output.dtype)))
     if fused:
         opt = fused_zero.AdamW(model.parameters(), lr=0.02, weight_decay=0.1, **(options or {}))
     else:
@@ -50,9 +73,12 @@ def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=Non
         skip = save_at * ACCUMULATE
         loader = accelerator.skip_first_batches(loader, skip)
     record, returned = [], []
-    for x, y in loader:
+    for i, (x, y) in enumerate(loader):
         with accelerator.accumulate(model):
-            accelerator.backward(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            if i == inject and accelerator.process_index == world - 1:
+                loss = loss * float("inf")
+            accelerator.backward(loss)
             if clip is not None and accelerator.sync_gradients:
                 returned.append(accelerator.clip_grad_norm_(model.parameters(), clip))
             opt.step()
@@ -60,6 +86,9 @@ def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=Non
             opt.zero_grad()
         if accelerator.sync_gradients:
             record.append([p.detach().clone() for p in model.parameters()])
+            if extra is not None:
+                extra.append((accelerator.scaler.get_scale(), accelerator.optimizer_step_was_skipped,
+                              sched.get_last_lr()[0], linear_out[-1]))
             if save_at is not None and load is None and len(record) == save_at:
                 accelerator.save_state("state")  # every rank calls it: the optimizer's state_dict() is a collective
     return record, returned, accelerator
@@ -106,12 +135,10 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     out["resume"] = differences(resumed, whole[3:])
 
     def attached(options=None, fp16=False, torch_opt=False, unwrap=False):
-        accelerator = Accelerator(cpu=True)
+        accelerator = fp16_accelerator() if fp16 else Accelerator(cpu=True)
         model, _ = model_and_data(world)
         opt = (torch.optim.AdamW if torch_opt else fused_zero.AdamW)(model.parameters(), **(options or {}))
         model, opt = accelerator.prepare(model, opt)
-        if fp16:
-            accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" sets on a GPU
         fused_zero.accelerate.attach(accelerator, accelerator.unwrap_model(model) if unwrap else model, opt)
         return accelerator, model
 
@@ -127,8 +154,34 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
         refusal(clip_in_bucket_mode, RuntimeError, r"clip_grad_norm_ with fused_zero needs overlap='step' "
                 r"\(got overlap='bucket'\)"),
         refusal(clip_by_value, RuntimeError, "clip_grad_value_ is not supported"),
-        refusal(lambda: attached(fp16=True), ValueError, "mixed_precision='fp16' needs torch.amp.GradScaler"),
         refusal(lambda: attached(torch_opt=True), TypeError, "needs the fused_zero optimizer .*torch.optim"),
         refusal(lambda: attached(unwrap=True), TypeError, "got torch.nn.modules.container.Sequential"),
+        refusal(lambda: attached({"overlap": "step", "grad_scaler": torch.amp.GradScaler("cpu")}), ValueError,
+                r"Accelerate steps it through no GradScaler \(mixed_precision='no'\)"),
+    ]
+
+    # fp16: Accelerate's GradScaler steps both; the last rank's loss is infinite at batch 5 (step 2)
+    AcceleratorState._reset_state()  # mixed_precision is fixed per process; the process group stays
+    out["fp16"], out["fp16_extra"], out["fp16_unscale_calls"] = {}, {}, {}
+    for name, overlap, clip in (("backward", "backward", None), ("step-clip", "step", 0.05)):
+        ref_extra, extra = [], []
+        ref, _, _ = train(world, fused=False, clip=clip, fp16=True, inject=5, extra=ref_extra)
+        ours, _, acc = train(world, fused=True, clip=clip, fp16=True, inject=5, extra=extra,
+                             options={"overlap": overlap})
+        out["fp16"][name] = differences(ours, ref, exact=clip is None)
+        out["fp16_extra"][name] = (extra, ref_extra)
+        out["fp16_unscale_calls"][name] = acc.unscale_calls
+    def unscale(named):
+        accelerator, _ = attached({"overlap": "step"}, fp16=True)
+        accelerator.unscale_gradients(accelerator._optimizers[0] if named else None)
+        return accelerator.unscale_calls
+
+    out["fp16_unscale_all"] = unscale(named=False)  # Accelerate's unscaling of every optimizer skips ours
+    out["fp16_refusals"] = [
+        refusal(lambda: unscale(named=True), RuntimeError, r"unscale_gradients\(\) of a fused_zero optimizer"),
+        refusal(lambda: attached(fp16=True), ValueError, r"mixed_precision='fp16' \(a GradScaler\) needs "
+                r"overlap='step' or overlap='backward' \(got overlap='bucket'\)"),
+        refusal(lambda: attached({"overlap": "step", "grad_scaler": torch.amp.GradScaler("cpu")}, fp16=True),
+                ValueError, r"Accelerate steps it through its own GradScaler \(accelerator.scaler\)"),
     ]
     return out

@@ -1,6 +1,7 @@
 """fused_zero.accelerate on 2 gloo ranks launched as `accelerate launch` does: an Accelerate loop with
-gradient accumulation and a scheduler matches Accelerate + torch.optim.AdamW after every step, clipping
-is routed to the optimizer, save_state/load_state resume bit-identically, refusals carry a message."""
+gradient accumulation and a scheduler matches Accelerate + torch.optim.AdamW after every step (fp16 too,
+with Accelerate's GradScaler as it is on a GPU and an inf on one rank), clipping is routed to the
+optimizer, save_state/load_state resume bit-identically, refusals carry a message."""
 
 import importlib.util
 import subprocess
@@ -19,12 +20,26 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
 def test_accelerate_attach(tmp_path):
     from accelerate_cases import run
 
-    for r in run_ranks(run, 2, _free_port(), str(tmp_path)):
+    results = run_ranks(run, 2, _free_port(), str(tmp_path))
+    for r in results:
         assert r["distributed"] == "DistributedType.MULTI_CPU"
         assert r["plain"] == [], r["plain"]
         assert r["clip"] == [] and r["clip_moved"] and r["clip_returned"], r["clip"]
         assert r["resume"] == [], r["resume"]
         assert r["refusals"] == ["ok"] * 5, r["refusals"]
+        assert r["fp16"] == {"backward": [], "step-clip": []}, r["fp16"]
+        for extra, ref_extra in r["fp16_extra"].values():
+            # after every optimizer step: the same scale, skip report and LR as the reference; the inf of
+            # step 2 halves the scale, is reported skipped, and the scheduler does not advance
+            assert extra == ref_extra, (extra, ref_extra)
+            assert [skipped for _, skipped, _, _ in extra] == [False, False, True, False, False, False], extra
+            assert extra[2][0] == extra[1][0] / 2 and extra[2][2] == extra[1][2], extra
+            assert {dtype for *_, dtype in extra} == {"torch.float16"}, extra  # the forward ran in autocast
+        # neither Accelerate's step nor the routed clip_grad_norm_ calls scaler.unscale_ on our optimizer
+        assert r["fp16_unscale_calls"] == {"backward": [], "step-clip": []}, r["fp16_unscale_calls"]
+        assert r["fp16_unscale_all"] == [], r["fp16_unscale_all"]
+        assert r["fp16_refusals"] == ["ok"] * 3, r["fp16_refusals"]
+    assert results[0]["fp16_extra"] == results[1]["fp16_extra"]
 
 
 def test_accelerate_example_runs(tmp_path):
