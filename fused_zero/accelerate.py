@@ -62,7 +62,7 @@ def attach(accelerator, model, optimizer, **options) -> None:
 def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
     """Accelerate's GradScaler must be the optimizer's (it scales the loss of every backward, which the
     optimizer's update divides by), in a mode that can take one."""
-    own = opt._options.get("grad_scaler", options.get("grad_scaler"))
+    own = opt._options.get("grad_scaler") or options.get("grad_scaler")
     if own is not None and own is not scaler:
         raise ValueError("the optimizer was given grad_scaler=..., but Accelerate steps it through "
                          + ("its own GradScaler (accelerator.scaler)" if scaler is not None else
@@ -79,9 +79,10 @@ def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: di
 
 
 def _keep_unscaling_out(accelerator, opt: _ShardedOptimizer) -> None:
-    """``scaler.unscale_(opt)`` would unscale ``param.grad``, which the update does not read (it divides
-    its reduced slices by the loss scale, unless told the gradients are unscaled already): so Accelerate's
-    unscaling of all optimizers skips this one, and a request for this one is refused."""
+    """``scaler.unscale_(opt)`` unscales ``param.grad``, which the update mostly does not read (it divides
+    its own reduced slices by the loss scale), and then tells the update the gradients are unscaled
+    already. So Accelerate's unscaling of every optimizer (``clip_grad_norm_`` of other parameters does
+    it too) skips this one, and a request naming this one is refused."""
     unscale = accelerator.unscale_gradients
 
     def unwrap(o):
