@@ -140,7 +140,6 @@ class Engine:
         self.watch = GradWatch(self.params)
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
-            grad_in_region=self.grad_reduce == "reduce_scatter" and self.world > 1,
             build_segments=self.backend == "triton", device=self.device, group=self.group,
             world=self.world, rank=self.rank)
 
@@ -314,7 +313,14 @@ class Engine:
         return self.grad_reduce == "all_reduce" or dtype != torch.float32
 
     def _reduce(self, shard: BucketShard, buffer: torch.Tensor) -> list:
-        """Start this bucket's reduction; return its Works."""
+        """Start this bucket's reduction, in place in DDP's buffer; return its Works.
+
+        reduce_scatter: the head is reduce-scattered into this rank's own slice of it (the output is
+        a chunk of the input, as Megatron-core does; gloo and NCCL accept it) and the tail is
+        all-reduced where it is, so the kernel reads the reduced gradient from the bucket buffer and
+        no gradient copy exists. The other ranks' slices are left holding this rank's local
+        (pre-divided) gradients: ``param.grad`` is not the global gradient in this mode.
+        """
         if self.world == 1:
             return []
         layout, g = shard.layout, self.group
@@ -324,14 +330,11 @@ class Engine:
         if self.grad_reduce == "all_reduce":
             works.append(dist.all_reduce(buffer, group=g, async_op=True))
         else:
-            region = shard.grad_region
-            mine, tail = slice(*layout.region_slice(self.rank)), slice(*layout.region_tail(self.rank))
             if layout.tail:
-                region[tail].copy_(buffer[layout.head:])
-                works.append(dist.all_reduce(region[tail], group=g, async_op=True))
+                works.append(dist.all_reduce(buffer[layout.head:], group=g, async_op=True))
             if layout.shard:
-                works.append(reduce_scatter(region[mine], buffer[:layout.head],
-                                             group=g, async_op=True))
+                lo, hi = layout.slice_of(self.rank)
+                works.append(reduce_scatter(buffer[lo:hi], buffer[:layout.head], group=g, async_op=True))
         return works
 
     # ------------------------------------------------------------------ update
@@ -386,7 +389,7 @@ class Engine:
         skipped = self.side.download(found)  # read at the next iteration: the kernels read ``found``
         for item, table, flags in zip(items, coefs, used):
             shard = item.shard
-            grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
+            grad = shard.reduced_buffer
             shard.reduced_buffer = None
             with range_push(f"fused_zero.update[{shard.layout.numel}]"):
                 self.algo.update(self.backend, shard.rows, shard.segments, table, UpdateArgs(
@@ -406,9 +409,8 @@ class Engine:
         stats = torch.zeros(3, dtype=torch.float32, device=self.device)
         for item, coefs in zip(items, tables):
             shard = item.shard
-            grad = shard.grad_region if shard.grad_region is not None else shard.reduced_buffer
-            sumsq, bad = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs, grad,
-                                              it.grad_scale)
+            sumsq, bad = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs,
+                                              shard.reduced_buffer, it.grad_scale)
             stats[0] += sumsq
             stats[1] += bad
         stats[2] = float(it.edited)

@@ -167,15 +167,14 @@ class BucketLayout:
             pos = end
         return runs
 
-    def rows(self, *, grad_in_region: bool) -> list[tuple[int, int, int, int, int]]:
+    def rows(self) -> list[tuple[int, int, int, int, int]]:
         """Kernel rows (shard_off, length, param_off, grad_off, pid) for this rank's region.
 
-        The parameter buffer is indexed like the bucket buffer; the gradient is read either from the
-        region-shaped reduced shard (``grad_in_region``) or from the whole reduced bucket buffer.
-        ``pid`` is the parameter's index within the bucket (the coefficient table's row).
+        The parameter buffer and the gradient (DDP's bucket buffer, reduced in place) are both
+        indexed like the bucket. ``pid`` is the parameter's index within the bucket (the coefficient
+        table's row).
         """
-        return [(p.region_off, p.length, p.bucket_off, p.region_off if grad_in_region else p.bucket_off,
-                 p.local) for p in self.pieces(self.rank)]
+        return [(p.region_off, p.length, p.bucket_off, p.bucket_off, p.local) for p in self.pieces(self.rank)]
 
     def _cut(self, lo: int, hi: int, region_base: int) -> list[Piece]:
         out = []
@@ -187,7 +186,7 @@ class BucketLayout:
         return out
 
 
-def vector_share(layouts: Iterable[BucketLayout], *, grad_in_region: bool) -> float:
+def vector_share(layouts: Iterable[BucketLayout]) -> float:
     """The share of the elements the layouts' kernel rows update on the aligned vector path.
 
     Pure: the same cut of the same rows as the kernels' `Segments` (kernels.vector_elements). Pass the
@@ -195,7 +194,7 @@ def vector_share(layouts: Iterable[BucketLayout], *, grad_in_region: bool) -> fl
     """
     vector = total = 0
     for lay in layouts:
-        v, t = vector_elements(lay.rows(grad_in_region=grad_in_region))
+        v, t = vector_elements(lay.rows())
         vector, total = vector + v, total + t
     return vector / total if total else 1.0
 

@@ -183,9 +183,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
 
-        ``state``: master weights, moments and the reduced-gradient region (1/W of the model plus
-        a small replicated tail per bucket, see layout.py); ``reference_state``: torch.optim's fp32 state for the
-        same parameters (plus an fp32 master copy when this optimizer keeps master weights).
+        ``state``: master weights and moments of this rank's slice of each bucket plus its small
+        replicated tail (see layout.py): 1/W of the model and nothing else, since gradients are
+        reduced in place in DDP's buckets; ``reference_state``: torch.optim's fp32 state for the same
+        parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """
         shards = self._attached_engine("memory()").shards()
         numel = sum(s.layout.numel for s in shards)

@@ -30,12 +30,11 @@ class ShardRegistry:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 grad_in_region: bool, build_segments: bool, device: torch.device, group, world: int,
+                 build_segments: bool, device: torch.device, group, world: int,
                  rank: int):
         self.params = params
         self.state_names = state_names
         self.keeps_master = keeps_master
-        self.grad_in_region = grad_in_region
         self.build_segments = build_segments
         self.device = device
         self.group, self.world, self.rank = group, world, rank
@@ -94,7 +93,7 @@ class ShardRegistry:
         dtype = self.params[layout.pids[0]].dtype
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
-            master=self.keeps_master(dtype), grad_in_region=self.grad_in_region, device=self.device,
+            master=self.keeps_master(dtype), device=self.device,
             dtype=dtype, build_segments=self.build_segments)
 
     def _move_state(self, new: BucketShard) -> None:

@@ -1,6 +1,7 @@
 """One DDP bucket as this rank holds it: the flat parameter buffer the bucket's parameters are views
-of, this rank's region of optimizer state, the reduced-gradient region, the kernel rows, and the
-handle of the all-gather that brings the updated parameters back."""
+of, this rank's region of optimizer state, the kernel rows, and the handle of the all-gather that
+brings the updated parameters back. The gradient is not ours: the reduction runs in place in DDP's
+bucket buffer and the kernels read it there."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ class BucketShard:
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
         state: region-shaped fp32 tensors, one per state name (and ``"master"`` with master weights).
-        grad_region: region-shaped reduced gradient (reduce-scatter mode with more than one rank),
-            else None and the kernel reads the reduced bucket buffer.
         rows: host kernel rows; ``segments`` the same on the device (Triton backend only).
         norm_rows / norm_segments: the rows whose gradients count towards the global norm: the
             replicated tail is counted on rank 0 only.
@@ -29,7 +28,7 @@ class BucketShard:
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
-                 master: bool, grad_in_region: bool, device: torch.device, dtype: torch.dtype,
+                 master: bool, device: torch.device, dtype: torch.dtype,
                  build_segments: bool):
         self.layout = layout
         self.params = params
@@ -38,11 +37,9 @@ class BucketShard:
         names = list(state_names) + (["master"] if master else [])
         self.state = {name: torch.zeros(layout.region_size, dtype=torch.float32, device=device)
                       for name in names}
-        self.grad_region = (torch.zeros(layout.region_size, dtype=dtype, device=device)
-                            if grad_in_region else None)
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
         self.rows = [(so, n, po, go, layout.pids[local])
-                     for so, n, po, go, local in layout.rows(grad_in_region=grad_in_region)]
+                     for so, n, po, go, local in layout.rows()]
         tail_at = layout.region_tail(layout.rank)[0]
         self.norm_rows = [r for r in self.rows if r[0] < tail_at or layout.rank == 0]
         self.segments = Segments.build(self.rows, device) if build_segments else None
@@ -61,8 +58,7 @@ class BucketShard:
         master = self.state.get("master")
         if master is None:
             return
-        rows = self.layout.rows(grad_in_region=True)
-        for so, n, po, _, _ in rows:
+        for so, n, po, _, _ in self.layout.rows():
             master[so:so + n].copy_(self.param_buffer[po:po + n])
 
     def wait_gather(self) -> None:
@@ -72,5 +68,4 @@ class BucketShard:
             work.wait()
 
     def state_bytes(self) -> int:
-        tensors = list(self.state.values()) + ([self.grad_region] if self.grad_region is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.state.values())

@@ -128,7 +128,7 @@ def memory_and_plumbing(rank, world):
     return {
         "lr": opt.param_groups[0]["lr"],
         "frozen_untouched": torch.equal(model.never.weight, frozen_before),
-        "state": mem["state"], "expected_state": region * (2 * 4 + 4),  # exp_avg, exp_avg_sq, fp32 grad region
+        "state": mem["state"], "expected_state": region * 2 * 4,  # exp_avg, exp_avg_sq; no gradient copy
         "reference": mem["reference_state"], "expected_reference": numel * 8,
         "region": mem["region_elements"], "numel": numel, "align": align,
     }
@@ -142,6 +142,8 @@ def test_memory_is_one_over_world_plus_tail(world):
         assert r["state"] == r["expected_state"]
         assert r["reference"] == r["expected_reference"]
         assert r["region"] - r["numel"] / world < world * r["align"]
+        if world == 2:  # the moments of half the model plus the tail, nothing else
+            assert r["state"] / r["reference"] <= 0.51
 
 
 

@@ -165,16 +165,15 @@ def test_vector_path_covers_at_least_99_percent(model, world):
     shapes = gpt2_small_shapes() if model == "gpt2_small" else demo_model_shapes()
     if model == "gpt2_small":
         assert sum(math.prod(s) for s in shapes) == 124_439_808
-    for grad_in_region in (True, False):
-        layouts = [lay for rank in range(world) for lay in ddp_layouts(shapes, world, rank)]
-        share = vector_share(layouts, grad_in_region=grad_in_region)
-        print(f"{model} W={world} grad_in_region={grad_in_region}: {share:.6f} of the elements on the vector path")
-        assert share >= 0.99
+    layouts = [lay for rank in range(world) for lay in ddp_layouts(shapes, world, rank)]
+    share = vector_share(layouts)
+    print(f"{model} W={world}: {share:.6f} of the elements on the vector path")
+    assert share >= 0.99
 
 
 def test_vector_share_counts_only_aligned_runs():
     # 10 elements at bucket offsets 0..9: with W=1 the region is the bucket; rows [0,4) and [4,8) vector
     lay = BucketLayout.build([0, 1], [3, 7], [0, 3], 1, 0)
-    assert vector_share([lay], grad_in_region=False) == pytest.approx(4 / 10)  # [4, 8); [0,3),[3,4),[8,10) not
+    assert vector_share([lay]) == pytest.approx(4 / 10)  # [4, 8); [0,3),[3,4),[8,10) not
     odd = BucketLayout.build([0], [1000], [0], 1, 0)
-    assert vector_share([odd], grad_in_region=True) == 1000 / 1000
+    assert vector_share([odd]) == 1000 / 1000
