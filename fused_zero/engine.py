@@ -232,15 +232,10 @@ class Engine:
         ``reduce_scatter`` (gloo's has no future) the future is complete: no rank holds the whole
         average, and ``param.grad`` is documented as unreduced.
         """
-        buffer = bucket.buffer()
-        if buffer.is_sparse:
-            raise RuntimeError("fused_zero does not support sparse gradients (nn.Embedding(sparse=True))")
-        try:
-            pids = [self.pid_of[p] for p in bucket.parameters()]
-        except KeyError:
-            raise RuntimeError("DDP reduced a parameter the optimizer does not own") from None
-        base = buffer.data_ptr()
-        offsets = [(g.data_ptr() - base) // buffer.element_size() for g in bucket.gradients()]
+        index, buffer = bucket.index(), bucket.buffer()
+        shard = self.registry.cached(index, buffer)
+        if shard is None:  # a bucket not seen before (DDP's first iterations): read it in full
+            pids, offsets = self.registry.read_bucket(bucket, buffer, self.pid_of)
         if self.iteration.last_invoked:
             if self.overlap == "step" and self.iteration.ready:
                 raise RuntimeError("a synced backward ran twice without optimizer.step() in between; "
@@ -251,9 +246,10 @@ class Engine:
             self.side.join()
             self._settle_steps()
             it.hparams = self._read_hparams()
-        shard = self.registry.shard_for(bucket.index(), pids, offsets)
+        if shard is None:
+            shard = self.registry.shard_for(index, pids, offsets, buffer)
         active, works = self._active(shard)
-        with range_push(f"fused_zero.reduce[{bucket.index()}]"):
+        with range_push("fused_zero.reduce"):
             works += self._reduce(shard, buffer)
         shard.reduced_buffer = buffer
         it.ready.append(_Reduced(shard, active, works))
@@ -289,7 +285,7 @@ class Engine:
         asynchronously, in the hook like every collective: no host sync per bucket."""
         pids = shard.pids
         if not self.track_used:
-            return np.ones(len(pids), dtype=bool), []
+            return shard.all_active, []
         if self.used_static is not None:
             return self.used_static[pids], []
         local = torch.from_numpy(np.stack([pids, self.used_local[pids]]).astype(np.int64))

@@ -12,6 +12,8 @@ message. Nothing here knows about iterations, overlap modes or the update.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -27,6 +29,8 @@ class ShardRegistry:
         by_index: DDP bucket index -> BucketShard (negative keys: the initial layout, before DDP's
             buckets are known).
         layout_changes: how many times state moved to a new bucket layout.
+        seen: DDP bucket index -> (weak reference to the bucket's buffer, its shard, layout_changes
+            then): what lets the hook skip reading the bucket in full (see ``cached``).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
@@ -41,6 +45,7 @@ class ShardRegistry:
         self.where: dict[int, tuple[BucketShard, int]] = {}
         self.by_index: dict[int, BucketShard] = {}
         self.layout_changes = 0
+        self.seen: dict[int, tuple[weakref.ref, BucketShard, int]] = {}
 
     def install_initial_layout(self, module: torch.nn.Module, pid_of: dict) -> None:
         """State for one bucket per dtype holding every parameter in registration order: what DDP
@@ -63,8 +68,39 @@ class ShardRegistry:
     def shards(self) -> list[BucketShard]:
         return list({id(s): s for s, _ in self.where.values()}.values())
 
-    def shard_for(self, index: int, pids: list[int], offsets: list[int]) -> BucketShard:
-        """The shard of DDP bucket ``index``; resharded first if the bucket differs from what is held."""
+    def cached(self, index: int, buffer: torch.Tensor) -> BucketShard | None:
+        """The shard of DDP bucket ``index`` if ``buffer`` is the very tensor seen there last time and
+        nothing was resharded since; else None (then ``read_bucket`` and ``shard_for``).
+
+        The hook's cheap path. It is safe because DDP allocates new bucket buffers whenever it
+        rebuilds its buckets, and a weak reference identifies the tensor itself: a new buffer at the
+        address of a freed one is a different object, so it cannot pass for the old bucket.
+        """
+        seen = self.seen.get(index)
+        if seen is not None and seen[0]() is buffer and seen[2] == self.layout_changes:
+            return seen[1]
+        return None
+
+    @staticmethod
+    def read_bucket(bucket, buffer: torch.Tensor, pid_of: dict) -> tuple[list[int], list[int]]:
+        """The bucket's parameters (optimizer indices) and their element offsets in its buffer."""
+        if buffer.is_sparse:
+            raise RuntimeError("fused_zero does not support sparse gradients (nn.Embedding(sparse=True))")
+        try:
+            pids = [pid_of[p] for p in bucket.parameters()]
+        except KeyError:
+            raise RuntimeError("DDP reduced a parameter the optimizer does not own") from None
+        base, size = buffer.data_ptr(), buffer.element_size()
+        return pids, [(g.data_ptr() - base) // size for g in bucket.gradients()]
+
+    def shard_for(self, index: int, pids: list[int], offsets: list[int], buffer: torch.Tensor) -> BucketShard:
+        """The shard of DDP bucket ``index``; resharded first if the bucket differs from what is held.
+        Remembers ``buffer`` for ``cached``."""
+        shard = self._shard_for(index, pids, offsets)
+        self.seen[index] = (weakref.ref(buffer), shard, self.layout_changes)
+        return shard
+
+    def _shard_for(self, index: int, pids: list[int], offsets: list[int]) -> BucketShard:
         shard = self.by_index.get(index)
         if shard is not None and shard.layout.same_bucket(pids, offsets):
             return shard

@@ -17,6 +17,8 @@ class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
         params: the bucket's parameters, in bucket order; ``pids`` their optimizer indices (numpy).
+        all_active: read-only all-True flags, one per parameter (a bucket where every parameter got a
+            gradient, without a new array per bucket and step).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
         state: region-shaped fp32 tensors, one per state name (and ``"master"`` with master weights).
@@ -33,6 +35,8 @@ class BucketShard:
         self.layout = layout
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
+        self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
+        self.all_active.flags.writeable = False
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
         names = list(state_names) + (["master"] if master else [])
         self.state = {name: torch.zeros(layout.region_size, dtype=torch.float32, device=device)

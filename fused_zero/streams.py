@@ -33,6 +33,7 @@ class SideStream:
         if device.type == "cuda":
             highest = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower is higher
             self.stream = torch.cuda.Stream(device, priority=highest)
+        self._staging = _PinnedRing()
 
     @contextlib.contextmanager
     def run(self, follow_current: bool):
@@ -66,11 +67,18 @@ class SideStream:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def upload(self, table: torch.Tensor) -> torch.Tensor:
-        """A host table on the update's device, copied on the side stream (which reads it first)."""
+        """A host table on the update's device, copied on the side stream (which reads it first).
+
+        The copy goes through a persistent pinned buffer (``_PinnedRing``), not a new pinned
+        allocation per call; the device copy is new each time, since an earlier table may still be
+        read by kernels queued after this copy."""
         if self.stream is None:
             return table
+        host, copied = self._staging.take(table)
         with self.run(follow_current=False):
-            return table.pin_memory().to(self.device, non_blocking=True)
+            out = host.to(self.device, non_blocking=True)
+            copied.record(self.stream)
+        return out
 
     def download(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying ``t`` to host memory on the side stream; return the host tensor and the event
@@ -81,3 +89,32 @@ class SideStream:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             return host, self.stream.record_event()
+
+
+class _PinnedRing:
+    """Pinned host buffers reused across uploads, a few per table shape.
+
+    An asynchronous copy reads its pinned source when the stream gets to it, which may be long after
+    the call (the side stream waits for reductions first), so a buffer is refilled only once the
+    event recorded after its last copy has completed; when every buffer of the shape is still in
+    use a new one is added (at most ``limit``, after which the oldest is waited for on the host).
+    """
+
+    def __init__(self, limit: int = 16):
+        self.limit = limit
+        self.rings: dict[tuple, list[tuple]] = {}  # (shape, dtype) -> [(buffer, event), ...], oldest first
+
+    def take(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer holding ``table``'s values and the event to record after copying it."""
+        ring = self.rings.setdefault((tuple(table.shape), table.dtype), [])
+        free = next((i for i, (_, event) in enumerate(ring) if event.query()), None)
+        if free is not None:
+            slot = ring.pop(free)
+        elif len(ring) < self.limit:
+            slot = (torch.empty_like(table, pin_memory=True), torch.cuda.Event())
+        else:
+            slot = ring.pop(0)
+            slot[1].synchronize()
+        ring.append(slot)  # the most recently used last: the next search finds older ones first
+        slot[0].copy_(table)
+        return slot
