@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import hooks
 from .algorithms import Algorithm, UpdateArgs, clip_coefficient
 from .amp import ScalerLink
+from .arena import SingleLaunch
 from .collectives import all_gather, reduce_scatter
 from .grad_watch import GradWatch
 from .kernels import Segments
@@ -66,6 +67,22 @@ class _Reduced:
     shard: BucketShard
     active: np.ndarray | _UsedFlags
     works: list
+
+
+@dataclass
+class _Unit:
+    """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets it
+    updates with their device-side used flags (or None)."""
+
+    rows: list
+    segments: object
+    norm_rows: list
+    norm_segments: object
+    table: torch.Tensor
+    grad: object
+    param: torch.Tensor
+    state: dict
+    items: list
 
 
 @dataclass
@@ -148,6 +165,8 @@ class Engine:
         self.used_static: np.ndarray | None = None  # static graph: the global used map, once known
         self._handles = hooks.register(self)  # first: a DDP that already has a comm hook is refused before rebinding
         self.registry.install_initial_layout(ddp.module, self.pid_of)
+        # backward and step modes: one launch per step and dtype once DDP's buckets are stable
+        self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
             self._compile_kernels()
 
@@ -376,37 +395,69 @@ class Engine:
 
     def _update(self, it: _Iteration, items: list[_Reduced], max_norm: float | None = None) -> None:
         """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
-        is written, on every rank, and their step counts stay)."""
+        is written, on every rank, and their step counts stay).
+
+        One launch per bucket, or, once the shards sit in arenas (backward and step modes, see
+        arena.py), one per dtype over all of them; the checks, the updates and the bookkeeping are the
+        same for both."""
         coefs, used = zip(*(self._coefs_for(it, item.shard, item.active) for item in items))
         for item in items:
             item.shard.wait_gather()
-        found, clip = self._check(it, items, coefs, max_norm)
+        units = self._launch_units(it, items, coefs, used)
+        found, clip = self._check(it, units, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
         skipped = self.side.download(found)  # read at the next iteration: the kernels read ``found``
-        for item, table, flags in zip(items, coefs, used):
-            shard = item.shard
-            grad = shard.reduced_buffer
-            shard.reduced_buffer = None
-            with range_push(f"fused_zero.update[{shard.layout.numel}]"):
-                self.algo.update(self.backend, shard.rows, shard.segments, table, UpdateArgs(
-                    grad, shard.param_buffer, shard.state, grad_scale=it.grad_scale, found_inf=found,
+        for unit in units:
+            with range_push("fused_zero.update"):
+                self.algo.update(self.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
+                    unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
                     clip_coef=clip))
             self.side.mark_updated()
-            self._pending_steps.append(_PendingSteps(
-                shard.pids, None if flags is not None else item.active, flags, skipped))
-            self._start_gather(shard)  # a skipped update gathers the unchanged parameters
+            for item, flags in unit.items:
+                shard = item.shard
+                shard.reduced_buffer = None
+                self._pending_steps.append(_PendingSteps(
+                    shard.pids, None if flags is not None else item.active, flags, skipped))
+                self._start_gather(shard)  # a skipped update gathers the unchanged parameters
 
-    def _check(self, it: _Iteration, items: list[_Reduced], tables: list[torch.Tensor],
+    def _launch_units(self, it: _Iteration, items: list[_Reduced], coefs: tuple, used: tuple) -> list[_Unit]:
+        """The launches that update ``items``: one per dtype when the arenas hold exactly these shards
+        and one coefficient table serves them all, else one per bucket."""
+        launches = self.single.for_step([item.shard for item in items]) if self.single else None
+        table = self._one_table(it, items, coefs) if launches is not None else None
+        if table is None:
+            return [_Unit(s.rows, s.segments, s.norm_rows, s.norm_segments, t, s.reduced_buffer, s.param_buffer,
+                          s.state, [(item, flags)])
+                    for item, t, flags, s in zip(items, coefs, used, (item.shard for item in items))]
+        return [_Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
+                      launch.grad(buffers), launch.arena.params, launch.arena.state,
+                      [(item, flags) for item, flags in zip(items, used)
+                       if item.shard.param_buffer.dtype == launch.arena.params.dtype])
+                for launch, buffers in launches]
+
+    def _one_table(self, it: _Iteration, items: list[_Reduced], coefs: tuple) -> torch.Tensor | None:
+        """One coefficient table for every bucket of the step (a parameter is in one bucket only): the
+        iteration's shared one, or one built from the host's flags where some parameter is known to
+        have no gradient; None where neither fits (then one launch per bucket)."""
+        if all(t is coefs[0] for t in coefs):
+            return coefs[0]
+        if any(isinstance(item.active, _UsedFlags) for item in items):
+            return None
+        mask = np.ones(len(self.params))
+        for item in items:
+            mask[item.shard.pids] = item.active
+        return self.side.upload(self._coefficient_table(it.hparams, mask))
+
+    def _check(self, it: _Iteration, units: list[_Unit],
                max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass over this rank's reduced slices of ``items`` (unscaled by the loss scale): the
+        """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the
         sum of squares and the count of non-finite values, all-reduced with this rank's edit flag in
         one collective. Returns the skip flag and, with ``max_norm``, the clip coefficient (device
         tensors: no host sync)."""
         stats = torch.zeros(3, dtype=torch.float32, device=self.device)
-        for item, coefs in zip(items, tables):
-            shard = item.shard
-            sumsq, bad = self.algo.grad_sumsq(self.backend, shard.norm_rows, shard.norm_segments, coefs,
-                                              shard.reduced_buffer, it.grad_scale)
+        for unit in units:
+            sumsq, bad = self.algo.grad_sumsq(self.backend, unit.norm_rows, unit.norm_segments, unit.table,
+                                              unit.grad, it.grad_scale)
             stats[0] += sumsq
             stats[1] += bad
         stats[2] = float(it.edited)
@@ -462,6 +513,11 @@ class Engine:
         if self.scaler is not None and self.scaler.enabled:
             self.scaler.publish(it.found_inf)
         self.skipped += it.found_inf.to(torch.int64).reshape(())
+        if self.single is not None and self.single.step_ended():
+            self.synchronize()  # nothing may be pending on the shards while they move
+            self.single.pack()
+            with self.side.run(follow_current=True):  # later updates after the moves
+                pass
         if self.track_used and self.used_static is None and getattr(self.ddp, "static_graph", False):
             self.used_static = self._used_on_any_rank(np.arange(len(self.params)))
         self.used_local[:] = False

@@ -31,6 +31,8 @@ class ShardRegistry:
         layout_changes: how many times state moved to a new bucket layout.
         seen: DDP bucket index -> (weak reference to the bucket's buffer, its shard, layout_changes
             then): what lets the hook skip reading the bucket in full (see ``cached``).
+        bucket_reads: how many times a bucket was read in full (``shard_for``); unchanged over an
+            iteration means DDP's buckets were all known (arena.py packs the shards then).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
@@ -46,6 +48,7 @@ class ShardRegistry:
         self.by_index: dict[int, BucketShard] = {}
         self.layout_changes = 0
         self.seen: dict[int, tuple[weakref.ref, BucketShard, int]] = {}
+        self.bucket_reads = 0
 
     def install_initial_layout(self, module: torch.nn.Module, pid_of: dict) -> None:
         """State for one bucket per dtype holding every parameter in registration order: what DDP
@@ -97,6 +100,7 @@ class ShardRegistry:
         """The shard of DDP bucket ``index``; resharded first if the bucket differs from what is held.
         Remembers ``buffer`` for ``cached``."""
         shard = self._shard_for(index, pids, offsets)
+        self.bucket_reads += 1
         self.seen[index] = (weakref.ref(buffer), shard, self.layout_changes)
         return shard
 

@@ -58,6 +58,16 @@ class BucketShard:
             view.copy_(p.data.reshape(-1))
             p.data = view.view_as(p)
 
+    def relocate(self, state: dict[str, torch.Tensor], param_buffer: torch.Tensor) -> None:
+        """Move the state and the parameter buffer into the given tensors (views of an arena, see
+        arena.py), values included, and make the parameters views of the new buffer. No gather or
+        update of this shard may be pending."""
+        for name, view in state.items():
+            view.copy_(self.state[name])
+        self.state = state
+        self.param_buffer = param_buffer
+        self.bind_params()
+
     def init_master_from_params(self) -> None:
         master = self.state.get("master")
         if master is None:

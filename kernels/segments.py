@@ -86,14 +86,15 @@ class Segments:
         rows: int64 tensor ``[n_rows, 6]`` on the kernel device (columns in ``COLUMNS``).
         shard_extent: one past the largest shard index a row touches (0 for no rows).
         param_extent: same for the parameter buffer.
-        grad_extent: same for the gradient buffer.
+        grad_extent: same for the gradient buffer; None when the gradient offsets address several
+            allocations from one base pointer (the builder checked each row against its own one).
         n_params: one past the largest ``pid`` (rows of the coefficient table needed).
     """
 
     rows: torch.Tensor
     shard_extent: int
     param_extent: int
-    grad_extent: int
+    grad_extent: int | None
     n_params: int
 
     @property
@@ -101,11 +102,14 @@ class Segments:
         return self.rows.shape[0]
 
     @staticmethod
-    def build(pieces, device: torch.device | str = "cpu") -> Segments:
+    def build(pieces, device: torch.device | str = "cpu", *, grad_across_allocations: bool = False) -> Segments:
         """Check a host table of pieces (anything ``torch.as_tensor`` takes, shape ``[n, 5]``), cut it
         for the vector path and move it.
 
         Pieces may be whole parameter pieces of any length: rows longer than ``BLOCK`` are split here.
+        ``grad_across_allocations``: the gradient offsets span several allocations from one base
+        pointer and the caller has checked each piece against its own allocation; launches then do
+        not check them against the base tensor (``grad_extent`` is None).
         """
         host = torch.as_tensor(pieces, dtype=torch.int64, device="cpu").reshape(-1, len(PIECE_COLUMNS))
         if host.numel() and bool((host < 0).any()):
@@ -114,11 +118,12 @@ class Segments:
         host = _split_long_rows(vector_cut(host[host[:, 1] > 0]))
         if host.shape[0]:
             ends = host[:, [0, 2, 3]] + host[:, 1:2]
-            shard_extent, param_extent, grad_extent = (int(v) for v in ends.max(dim=0).values)
+            shard_extent, param_extent, computed_grad = (int(v) for v in ends.max(dim=0).values)
             n_params = int(host[:, 4].max()) + 1
         else:
-            shard_extent = param_extent = grad_extent = n_params = 0
-        return Segments(host.to(device), shard_extent, param_extent, grad_extent, n_params)
+            shard_extent = param_extent = computed_grad = n_params = 0
+        return Segments(host.to(device), shard_extent, param_extent,
+                        None if grad_across_allocations else computed_grad, n_params)
 
     def check(self, *, shard: int, param: int, grad: int, coefs: int) -> None:
         """Raise if a row would reach past the given buffer lengths (element counts)."""
@@ -128,7 +133,7 @@ class Segments:
             ("gradient buffer", self.grad_extent, grad),
             ("coefficient table rows", self.n_params, coefs),
         ):
-            if extent > have:
+            if extent is not None and extent > have:
                 raise ValueError(
                     f"segment table reaches index {extent - 1} of the {name}, which has only "
                     f"{have} entries; rebuild the table for these buffers"
