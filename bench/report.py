@@ -287,8 +287,8 @@ STEP_NOTES = (
     "hook steps inside the backward. hidden share = clamp(1 - (t_iter_fused - t_fwd_bwd_plain) / "
     "t_step_plain, 0, 1) from medians of the same run (1: the whole step hidden behind the backward); "
     "'vs plain DDP' = fused_zero iteration - ddp+torch-adamw iteration. State: fused_zero "
-    "opt.memory()['state'] (moments + reduced-gradient region), torch AdamW 8 B/parameter, ZeRO the local "
-    "optimizer's state tensors."
+    "opt.memory()['state'] (moments; runs before the in-place reduce-scatter add a gradient region), "
+    "torch AdamW 8 B/parameter, ZeRO the local optimizer's state tensors."
 )
 
 

@@ -69,8 +69,8 @@ Benchmarks (groups):
                           the world. On a 2-core CPU machine 4 ranks are oversubscribed (``oversubscribed``
                           in extra_info): their times measure contention as much as anything.
 
-Optimizer-state bytes per rank (``state_bytes``): fused_zero ``opt.memory()["state"]`` (moments plus the
-reduced-gradient region, 1/W of the model each, plus small replicated tails); torch AdamW 8 bytes per
+Optimizer-state bytes per rank (``state_bytes``): fused_zero ``opt.memory()["state"]`` (the moments of
+1/W of the model plus small replicated tails: gradients are reduced in place in DDP's buckets); torch AdamW 8 bytes per
 parameter (exp_avg and exp_avg_sq in fp32; nothing else counted); ZeroRedundancyOptimizer the bytes of
 every tensor in its local optimizer's state on that rank (step counters included; it assigns whole
 parameters, or whole buckets with NCCL, to ranks, so ranks differ: ``state_bytes_ranks``).

@@ -169,7 +169,7 @@ def _print_report(cfg: DemoConfig, report: dict) -> None:
     mem = report["memory"]
     print(f"\ntime per iteration (forward+backward+step): torch.optim {it['torch.optim'] * 1e3:.1f} ms, "
           f"fused_zero {it['fused_zero'] * 1e3:.1f} ms")
-    print(f"optimizer state per rank: fused_zero {mem['state']:,} B (moments and reduced-gradient region), "
+    print(f"optimizer state per rank: fused_zero {mem['state']:,} B (moments of this rank's slices), "
           f"torch.optim {mem['reference_state']:,} B "
           f"({mem['elements']:,} parameters)")
     verdict = "PARITY OK" if report["worst"] <= cfg.tolerance else "PARITY BROKEN"
