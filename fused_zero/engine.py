@@ -194,19 +194,28 @@ class Engine:
     def _settle_steps(self) -> None:
         """Count the updates of the last iteration. Called where the copies are long done: the next
         iteration's first hook, or a reader of ``steps`` (checkpoints)."""
+        skipped: dict[int, bool] = {}  # one flag per update call, shared by its buckets: read it once
+        pids, counts = [], []
         for pending in self._pending_steps:
             found, event = pending.found
-            if event is not None:
-                event.synchronize()
-            if bool(found.reshape(-1)[0] != 0):
+            skip = skipped.get(id(found))
+            if skip is None:
+                if event is not None:
+                    event.synchronize()
+                skip = skipped[id(found)] = bool(found.reshape(-1)[0] != 0)
+            if skip:
                 continue
             if pending.used is None:
-                self._steps[pending.pids] += pending.active
+                pids.append(pending.pids)
+                counts.append(pending.active)
                 continue
             used, event = pending.used
             if event is not None:
                 event.synchronize()
-            self._steps[pending.pids] += used.numpy() > 0
+            pids.append(pending.pids)
+            counts.append(used.numpy() > 0)
+        if pids:  # a parameter is in one bucket only: no index repeats
+            self._steps[np.concatenate(pids)] += np.concatenate(counts)
         self._pending_steps = []
 
     def shards(self) -> list[BucketShard]:
