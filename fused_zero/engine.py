@@ -506,6 +506,10 @@ class Engine:
         self._check_scaler_use(via_scaler)
         edited = self.watch.edited()
         self.watch.clear()
+        if via_scaler and grad_scale is None and self.overlap == "step" and self.scaler is not None:
+            # the user's scaler.unscale_(opt) divided param.grad in place, with a fused op that leaves
+            # the version counters as they were: every gradient counts as edited
+            edited = sorted(set(edited) | {i for i, p in enumerate(self.params) if p.grad is not None})
         honored = bool(edited) and self.overlap == "step" and self.grad_reduce == "all_reduce"
         if honored:
             self._write_back(it, edited)  # this mode reads param.grad's values: the edit is honored

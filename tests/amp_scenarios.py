@@ -156,15 +156,18 @@ def run_amp_cases(rank: int, world: int, cases: list[AmpCase]) -> list[tuple[str
     return [(c.name(), run_amp_case(c, rank, world)) for c in cases]
 
 
-def _clip_loop(model, ddp, opt, scaler, rank, steps, ref=None):
-    """nanoGPT's loop: backward, clip_grad_norm_ (after scaler.unscale_ with a scaler), step."""
+def _clip_loop(model, ddp, opt, scaler, rank, steps, ref=None, clip=True):
+    """nanoGPT's loop: backward, clip_grad_norm_ (after scaler.unscale_ with a scaler), step.
+    ``clip=False`` leaves a bare ``scaler.unscale_``: its fused op divides param.grad in place but
+    leaves the version counters as they were."""
     for step in range(1, steps + 1):
         x, y = batch(step, 0, rank)
         loss = F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
             scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if scaler is None:
             opt.step()
         else:
@@ -196,6 +199,30 @@ def run_user_clip(rank: int, world: int) -> dict:
             _check_finite_and_agree(model, opt, 4)
             opt._engine.close()
             out[f"honored-view{int(as_view)}-scaler{int(with_scaler)}"] = True
+    # a bare scaler.unscale_ (SGD: a gradient still carrying the scale would move 1024x too far)
+    for as_view in (True, False):
+        model, ref_model = _model(torch.float32), _model(torch.float32)
+        ddp = DDP(model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+        ref_ddp = DDP(ref_model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+        opt = fused_zero.SGD(ddp.parameters(), lr=0.05, momentum=0.9, ddp=ddp, overlap="step",
+                             grad_reduce="all_reduce", grad_scaler=(scaler := _scaler()), backend="torch")
+        ref_opt = torch.optim.SGD([p for p in ref_model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+                                  foreach=False)
+        _clip_loop(ref_model, ref_ddp, ref_opt, _scaler(), rank, 4, clip=False)
+        _clip_loop(model, ddp, opt, scaler, rank, 4, clip=False)
+        _compare(model, ref_model, AmpCase(dtype=torch.float32), 4, rank)
+        opt._engine.close()
+        out[f"bare-unscale-honored-view{int(as_view)}"] = True
+    model = _model(torch.float32)
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    opt = fused_zero.SGD(ddp.parameters(), lr=0.05, momentum=0.9, ddp=ddp, overlap="step", grad_scaler=_scaler(),
+                         backend="torch")
+    try:
+        _clip_loop(model, ddp, opt, opt._engine.scaler.scaler, rank, 1, clip=False)
+        out["bare-unscale-step-reduce_scatter"] = "no error"
+    except RuntimeError as e:
+        out["bare-unscale-step-reduce_scatter"] = "max_grad_norm" in str(e)
+    opt._engine.close()
     for overlap, grad_reduce in (("step", "reduce_scatter"), ("backward", "reduce_scatter"),
                                  ("bucket", "all_reduce")):
         model = _model(torch.float32)

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from fused_zero.kernels import Segments, adam_coefficients, adam_step
 from scenarios import VOCAB, Case, OddNet, batch, run_case
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.engine
-from fused_zero.kernels import Segments, adam_coefficients, adam_step
 from fused_zero.streams import SideStream
 
 OVERLAPS = ("bucket", "backward", "step")

@@ -9,9 +9,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fused_zero.kernels import (
     BLOCK,
     VEC,
@@ -23,6 +20,9 @@ from fused_zero.kernels import (
     sgd_step,
     vector_elements,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fused_zero.layout import BucketLayout, alignment
 
 SIZES = (1, 7, 1000, 4099, 33, 2050)

@@ -61,6 +61,9 @@ def test_user_clip_grad_norm_is_honored_or_refused_on_every_rank():
     assert r["step-reduce_scatter"] == (True, True)
     assert r["backward-reduce_scatter"] == (True, False)
     assert r["bucket-all_reduce"] == (True, False)
+    # a bare scaler.unscale_ (no version counter moves): honored, or refused pointing at max_grad_norm
+    assert r["bare-unscale-honored-view1"] and r["bare-unscale-honored-view0"]
+    assert r["bare-unscale-step-reduce_scatter"] is True
 
 
 def _expect(fn, exc, match):
