@@ -128,6 +128,9 @@ class Engine:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
+        """Validate, then mutate: every check that can refuse runs before the first change to the
+        model or the DDP module (rebinding parameters to the flat buffers, registering hooks), so a
+        refused optimizer leaves a working model, and a working optimizer, as they were."""
         self.options = ShardingOptions(**options)
         self.opt = optimizer
         self.ddp = ddp
@@ -147,6 +150,7 @@ class Engine:
         self.pid_of = {p: i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
+        hooks.check_no_comm_hook(ddp)
         self._steps = np.zeros(len(self.params), dtype=np.float64)
         self._pending_steps: list[_PendingSteps] = []  # updates not yet counted in _steps
         # what the kernel divides each parameter's reduced gradient by: 1 where the reduction averaged
@@ -163,12 +167,26 @@ class Engine:
         self.track_used = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.used_local = np.zeros(len(self.params), dtype=bool)
         self.used_static: np.ndarray | None = None  # static graph: the global used map, once known
-        self._handles = hooks.register(self)  # first: a DDP that already has a comm hook is refused before rebinding
-        self.registry.install_initial_layout(ddp.module, self.pid_of)
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
             self._compile_kernels()
+        self._handles = []
+        self._install()
+
+    def _install(self) -> None:
+        """The mutations, once everything is checked: parameters become views of the flat buffers,
+        then the hooks are registered, the comm hook last (DDP cannot remove it). Should anything
+        fail on the way, the parameters get their own storage back and the hooks are removed."""
+        storages = [p.data for p in self.params]
+        try:
+            self.registry.install_initial_layout(self.ddp.module, self.pid_of)
+            hooks.register(self, self._handles)
+        except BaseException:
+            self.close()
+            for p, data in zip(self.params, storages):
+                p.data = data
+            raise
 
     @property
     def layout_changes(self) -> int:
@@ -224,15 +242,16 @@ class Engine:
     def _compile_kernels(self) -> None:
         """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
         Triton compiles now and not inside the first backward (tens of ms per variant). On the side
-        stream, under the parameters' device guard, like every launch."""
+        stream, under the parameters' device guard, like every launch. Per dtype, before any shard
+        exists: construction compiles before it changes anything."""
         with self.side.run(follow_current=True):
-            for shard in self.shards():
-                self._compile_for(shard)
+            for dtype in {p.dtype for p in self.params}:
+                self._compile_for(dtype)
 
-    def _compile_for(self, shard: BucketShard) -> None:
-        dtype = shard.param_buffer.dtype
+    def _compile_for(self, dtype: torch.dtype) -> None:
         one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
-        state = {name: one() for name in shard.state}
+        names = self.algo.state_names() + (["master"] if self.options.keeps_master(dtype) else [])
+        state = {name: one() for name in names}
         coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
                                        np.zeros(1, dtype=bool), 1.0).to(self.device)
         rows = [(0, 1, 0, 0, 0)]

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from distributed import run_ranks
 from scenarios import VOCAB, OddNet, batch
 from torch import nn
@@ -30,49 +31,108 @@ def _expect(fn, exc, match):
     raise AssertionError(f"no {exc.__name__} matching {match!r}")
 
 
+def _snapshot(model):
+    return [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+
+
+def _hooks_of(ddp):
+    """What fused_zero would have registered: forward pre-hooks, state_dict pre-hooks, a comm hook."""
+    pre = sum(len(m._forward_pre_hooks) for m in ddp.module.modules())
+    return pre, len(ddp.module._state_dict_pre_hooks), ddp._get_ddp_logging_data().get("comm_hook")
+
+
+def _refused_untouched(model, ddp, fn, exc, match):
+    """``fn`` raises, and the model's parameters keep their storage and values, and DDP its hooks."""
+    before, hooks = _snapshot(model), _hooks_of(ddp)
+    out = _expect(fn, exc, match)
+    for i, ((ptr, value), p) in enumerate(zip(before, model.parameters())):
+        assert p.data_ptr() == ptr, f"{match}: parameter {i} was rebound to another storage"
+        assert torch.equal(p.detach(), value), f"{match}: parameter {i} changed"
+    assert _hooks_of(ddp) == hooks, f"{match}: hooks left behind: {_hooks_of(ddp)} != {hooks}"
+    return out
+
+
 def construction_errors(rank, world):
     out = []
     model, ddp = _ddp()
     params = list(ddp.parameters())
     AdamW = fused_zero.AdamW
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, overlap="eager"), ValueError, "overlap='eager'"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, grad_reduce="ring"), ValueError, "grad_reduce"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, backend="cuda"), ValueError, "backend"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, max_grad_norm=1.0), ValueError, "max_grad_norm needs"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, overlap="step", max_grad_norm=-1.0), ValueError,
-                       "max_grad_norm must be > 0"))
-    out.append(_expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr"))
-    out.append(_expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta"))
-    out.append(_expect(lambda: AdamW(params, ddp=model), TypeError, "got .*OddNet; wrap the model first"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding"))
-    out.append(_expect(lambda: AdamW(params, ddp=ddp, capturable=True), ValueError, "capturable"))
-    out.append(_expect(lambda: fused_zero.SGD(params, lr=0.1, nesterov=True, ddp=ddp), ValueError, "Nesterov"))
+
+    def expect(fn, exc, match):
+        out.append(_refused_untouched(model, ddp, fn, exc, match))
+
+    expect(lambda: AdamW(params, ddp=ddp, overlap="eager"), ValueError, "overlap='eager'")
+    expect(lambda: AdamW(params, ddp=ddp, grad_reduce="ring"), ValueError, "grad_reduce")
+    expect(lambda: AdamW(params, ddp=ddp, backend="cuda"), ValueError, "backend")
+    expect(lambda: AdamW(params, ddp=ddp, max_grad_norm=1.0), ValueError, "max_grad_norm needs")
+    expect(lambda: AdamW(params, ddp=ddp, overlap="step", max_grad_norm=-1.0), ValueError,
+           "max_grad_norm must be > 0")
+    expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr")
+    expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta")
+    expect(lambda: AdamW(params, ddp=model), TypeError, "got .*OddNet; wrap the model first")
+    expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding")
+    expect(lambda: AdamW(params, ddp=ddp, capturable=True), ValueError, "capturable")
+    expect(lambda: fused_zero.SGD(params, lr=0.1, nesterov=True, ddp=ddp), ValueError, "Nesterov")
     stray = nn.Parameter(torch.zeros(3))
-    out.append(_expect(lambda: AdamW(params + [stray], ddp=ddp), ValueError, "not a parameter that the DDP"))
-    out.append(_expect(lambda: AdamW(params[:2], ddp=ddp), ValueError, "does not own"))
+    expect(lambda: AdamW(params + [stray], ddp=ddp), ValueError, "not a parameter that the DDP")
+    expect(lambda: AdamW(params[:2], ddp=ddp), ValueError, "does not own")
     groups = [{"params": params[:2], "amsgrad": True}, {"params": params[2:]}]
-    out.append(_expect(lambda: AdamW(groups, ddp=ddp), ValueError, "amsgrad must be the same"))
+    expect(lambda: AdamW(groups, ddp=ddp), ValueError, "amsgrad must be the same")
     old = os.environ.pop("TRITON_INTERPRET")
     try:
-        out.append(_expect(lambda: AdamW(params, ddp=ddp, backend="triton"), ValueError, "TRITON_INTERPRET"))
+        expect(lambda: AdamW(params, ddp=ddp, backend="triton"), ValueError, "TRITON_INTERPRET")
     finally:
         os.environ["TRITON_INTERPRET"] = old
     emb = nn.Embedding(10, 3, sparse=True)
     sparse_ddp = DDP(emb)
-    out.append(_expect(lambda: AdamW(sparse_ddp.parameters(), ddp=sparse_ddp), ValueError, "sparse"))
+    out.append(_refused_untouched(emb, sparse_ddp, lambda: AdamW(sparse_ddp.parameters(), ddp=sparse_ddp),
+                                  ValueError, "sparse"))
 
     hooked_model, hooked = _ddp()
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     hooked.register_comm_hook(None, allreduce_hook)
-    out.append(_expect(lambda: AdamW(hooked.parameters(), ddp=hooked), RuntimeError, "already has a comm hook"))
+    out.append(_refused_untouched(hooked_model, hooked, lambda: AdamW(hooked.parameters(), ddp=hooked),
+                                  RuntimeError, "already has a comm hook"))
+    builtin_model, builtin = _ddp()
+    builtin._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+    out.append(_refused_untouched(builtin_model, builtin, lambda: AdamW(builtin.parameters(), ddp=builtin),
+                                  RuntimeError, "already has a comm hook"))
     AdamW(ddp.parameters(), ddp=ddp)
-    out.append(_expect(lambda: AdamW(ddp.parameters(), ddp=ddp), RuntimeError, "already has a comm hook"))
+    expect(lambda: AdamW(ddp.parameters(), ddp=ddp), RuntimeError, "already has a comm hook")
     return out
 
 
-def test_construction_errors_raise_on_every_rank():
+def test_construction_errors_raise_on_every_rank_and_change_nothing():
     results = run_ranks(construction_errors, 2)
-    assert results[0] == results[1] and len(results[0]) == 18
+    assert results[0] == results[1] and len(results[0]) == 19
+
+
+def _train_pair(ddp, opt, ref_ddp, ref_opt, steps, rank):
+    for step in steps:
+        x, y = batch(step, 0, rank)
+        for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+
+
+def refused_second_optimizer(rank, world):
+    """A second optimizer on a trained DDP is refused and the first one trains on, still exactly
+    torch.optim's (the refusal used to rebind the parameters to new buffers first)."""
+    model, ddp = _ddp(bucket_cap_mb=0.0001)
+    ref_model, ref_ddp = _ddp(bucket_cap_mb=0.0001)
+    opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp)
+    ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2, foreach=False)
+    _train_pair(ddp, opt, ref_ddp, ref_opt, range(3), rank)
+    for make in (lambda: fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp),
+                 lambda: fused_zero.SGD(ddp.parameters(), lr=1e-2, ddp=ddp, overlap="step")):
+        _refused_untouched(model, ddp, make, RuntimeError, "already has a comm hook")
+    _train_pair(ddp, opt, ref_ddp, ref_opt, range(3, 6), rank)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_refused_second_optimizer_leaves_the_first_in_parity():
+    assert run_ranks(refused_second_optimizer, 2) == [0.0, 0.0]
 
 
 def step_misuse(rank, world):
