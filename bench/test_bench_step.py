@@ -472,9 +472,9 @@ def _results(request, key: tuple) -> dict:
             todo.append(key)
         try:
             outs = run_ranks(_rank_main, world, [_scenario(*k) for k in todo])
-        except AssertionError as e:
+        except (spawn.RanksFailed, ValueError) as e:  # cached: the other tests of this world fail at once
             for k in todo:
-                _CACHE[k] = str(e)
+                _CACHE[k] = f"{type(e).__name__}: {e}"
         else:
             for i, k in enumerate(todo):
                 _CACHE[k] = {"ranks": [o[i] for o in outs], "scenario": _scenario(*k)}
@@ -521,9 +521,11 @@ def _system_info(res: dict, system: str) -> dict:
     """extra_info common to every benchmark of ``system`` in a scenario (rank 0's times)."""
     sc = res["scenario"]
     ranks = res["ranks"]
-    errors = ranks[0]["errors"]
-    if system in errors:
-        pytest.fail(f"{system} failed in the ranks:\n{errors[system]}", pytrace=False)
+    failed = {r: out["errors"][system] for r, out in enumerate(ranks) if system in out["errors"]}
+    if failed:  # every rank's traceback: a failure on one rank often shows up as a hang or a mismatch on others
+        pytest.fail(f"{system} failed in the ranks:\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in
+                                                                   failed.items()), pytrace=False)
+    errors = set().union(*(out["errors"] for out in ranks))  # systems that failed on some rank
     r0 = ranks[0]["systems"][system]
     n_embd, n_layer, n_head = sc["model"]
     info = dict(
