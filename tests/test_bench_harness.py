@@ -40,5 +40,5 @@ def test_every_ranks_errors_are_reported(bench):
     res = {"scenario": bench._scenario("step", 2, "n64-l2"),
            "ranks": [{"errors": {}, "systems": {}},
                      {"errors": {"fused_zero-bucket": "Traceback: only on rank 1"}, "systems": {}}]}
-    with pytest.raises(pytest.fail.Exception, match="(?s)rank 1.*only on rank 1"):
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)rank 1.*only on rank 1"):
         bench._system_info(res, "fused_zero-bucket")
