@@ -16,6 +16,9 @@ for a bucket is ``shard + tail`` elements: exactly 1/W of the bucket plus under 
 ``align`` is ``ALIGN`` unless that would make the tail (up to ``W * align``) more than an eighth of a
 rank's slice (``numel / W``): at 1024 ranks a 25 MB bucket gives each rank only 12k elements, and a
 32-element alignment would replicate up to 32k. It halves down to 1 until ``8 * W * align <= numel / W``.
+Alignment 1 still leaves up to ``W - 1`` tail elements, so the eighth holds only for buckets of at least
+``8 W^2`` elements; smaller ones replicate fewer than ``W`` (DDP's default 25 MiB bucket at W=1024: bf16,
+13.1M elements, within the eighth; fp32, 6.55M, up to 1023 of a 6400-element slice, 16%).
 
 A rank's *region* (its optimizer state for one bucket) holds its slice, then the tail. Both start at
 region offsets congruent to their bucket offsets modulo the kernels' vector width ``VEC`` (4): then an
@@ -43,7 +46,8 @@ REPLICATED = -1
 
 
 def alignment(numel: int, world_size: int) -> int:
-    """The slice alignment for a bucket: ALIGN, halved while the tail could exceed 1/8 of a slice."""
+    """The slice alignment for a bucket: ALIGN, halved while the tail could exceed 1/8 of a slice (down
+    to 1, where the tail is under ``world_size`` elements whatever the bucket)."""
     align = ALIGN
     while align > 1 and 8 * world_size * align * world_size > numel:
         align //= 2
