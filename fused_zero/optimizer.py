@@ -17,8 +17,8 @@ options shared by all:
                     rank and counted in skipped_steps) or "raise" (skipped, then step() raises)
     param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
                     wait, no host sync) or "forward" (the all-gathers run on behind step() and each
-                    module's forward waits only for its own buckets; read parameters elsewhere only
-                    after synchronize())
+                    module's forward waits only for the buckets it can read, see hooks.py; read
+                    parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
 """
 
