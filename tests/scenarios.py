@@ -183,21 +183,24 @@ def held_gathers():
 
 @contextlib.contextmanager
 def _broken_update(case: Case, opt, model, step_of):
-    """For ``case.breaks``: skip or repeat, at one step, the update of the bucket holding one parameter."""
+    """For ``case.breaks``: skip or repeat, at one step, the update of one parameter (and of no other:
+    its bucket may hold parameters whose values make a lost step easy to see). Torch backend: the rows
+    passed are the ones updated."""
     if case.breaks is None:
         yield
         return
+    assert case.backend == "torch"
     how, at, name = case.breaks
     engine = opt._engine
     pid = engine.pid_of[dict(model.named_parameters())[name]]
     real = engine.algo.update
 
     def update(backend, rows, segments, coefs, args):
-        hit = step_of() == at and any(r[4] == pid for r in rows)
-        if not (hit and how == "skip"):
-            real(backend, rows, segments, coefs, args)
-        if hit and how == "double":
-            real(backend, rows, segments, coefs, args)
+        if step_of() != at or not any(r[4] == pid for r in rows):
+            return real(backend, rows, segments, coefs, args)
+        real(backend, [r for r in rows if r[4] != pid] if how == "skip" else rows, segments, coefs, args)
+        if how == "double":
+            real(backend, [r for r in rows if r[4] == pid], segments, coefs, args)
 
     engine.algo.update = update
     try:
@@ -289,11 +292,14 @@ def _reference_step(ref_model, ref_opt, masters, case):
 
 
 def _exact(case: Case, world: int) -> bool:
-    """Whether fp32 parameters must be bit-identical to torch.optim's: torch's ops do the update, and
-    the reduction adds what DDP adds in DDP's order (all_reduce, or reduce_scatter at two ranks, where
-    the sum's halving is exact; beyond, gloo's reduce-scatter adds in another order than its
-    all-reduce and the kernel divides after the sum, DDP before it)."""
-    return case.backend == "torch" and (case.grad_reduce == "all_reduce" or world <= 2)
+    """Whether fp32 parameters must be bit-identical to torch.optim's: torch's ops do the update, at
+    one or two ranks. Beyond, gloo's reduce-scatter adds in another order than its all-reduce, and
+    fused_zero and DDP divide by W at different points, which rounds unless W is a power of two (so
+    all_reduce at four ranks stays exact). Clipping's global norm is summed in another order than
+    clip_grad_norm_'s, so its coefficient may differ in the last bit."""
+    if case.backend != "torch" or case.max_grad_norm is not None:
+        return False
+    return world <= 2 or (case.grad_reduce == "all_reduce" and world & (world - 1) == 0)
 
 
 BF16_ULPS = 4
