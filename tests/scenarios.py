@@ -228,10 +228,12 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     except AssertionError as e:
         if case.breaks is None:
             raise
-        return {"detected": str(e).splitlines()[0], "layout_changes": changes}
+        return {"detected": str(e).splitlines()[0], "layout_changes": changes[-1] if changes else 0,
+                "layout_history": changes}
     finally:
         opt._engine.close()
-    return {"worst": worst, "layout_changes": changes}
+    # layout_changes: how many times the state moved; layout_history: the count after each step
+    return {"worst": worst, "layout_changes": changes[-1], "layout_history": changes}
 
 
 def _train_step(case, step, rank, lr0, ours, reference, ref_model, masters):
@@ -308,7 +310,8 @@ BF16_SHARE = 0.05
 """Largest share of a parameter's elements that may differ from torch.optim's at all."""
 
 
-def _compare(model, ref_model, case, step, rank, world) -> float:
+def _compare(model, ref_model, case, step, rank, world=None) -> float:
+    world = dist.get_world_size() if world is None else world
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         a, b = p.detach().float(), q.detach().float()

@@ -86,7 +86,7 @@ def check(cases, results):
     for rank_results in results:
         for case, (name, out) in zip(cases, rank_results):
             assert name == case.name()
-            check_layout_changes(case, out["layout_changes"])
+            check_layout_changes(case, out["layout_history"])
 
 
 def run(world, cases):
