@@ -67,11 +67,23 @@ def packed_groups(opt, index: dict[int, int]) -> list[dict]:
 
 
 def state_dict(engine, to: int | None = None) -> dict | None:
-    """The canonical dict on CPU. A collective: every rank calls it. ``to=None``: every rank gets it;
+    """The canonical dict on CPU. Called on every rank, or on rank 0 alone (the others then join the
+    gathers from their next backward; see checkpoint_sync.py). ``to=None``: every calling rank gets it;
     ``to=r``: rank r only (others get None), gathered one bucket and one state tensor at a time, so that
     the extra device memory is one bucket's worth."""
     if to is not None and not (isinstance(to, int) and 0 <= to < engine.world):
         raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.world - 1})")
+    return engine.checkpoint_sync.state_dict(to, lambda plan: gather_state_dict(engine, plan))
+
+
+def serve_lone_state_dicts(engine) -> None:
+    """The comm hook's first bucket of an iteration: wait for rank 0's go, running the gathers of any
+    state_dict() it calls alone meanwhile (this rank discards the result)."""
+    engine.checkpoint_sync.at_iteration_start(lambda plan: gather_state_dict(engine, plan))
+
+
+def gather_state_dict(engine, to: int | None) -> dict | None:
+    """The gathers behind ``state_dict()``; every rank runs them with the same ``to``."""
     engine.synchronize()
     opt = engine.opt
     index = param_index(opt)

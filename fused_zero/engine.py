@@ -19,10 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import hooks
+from . import checkpoint, hooks
 from .algorithms import Algorithm, UpdateArgs, clip_coefficient
 from .amp import ScalerLink
 from .arena import SingleLaunch
+from .checkpoint_sync import CheckpointHandshake
 from .collectives import all_gather, reduce_scatter
 from .grad_watch import GradWatch
 from .kernels import Segments
@@ -167,6 +168,7 @@ class Engine:
         self.track_used = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.used_local = np.zeros(len(self.params), dtype=bool)
         self.used_static: np.ndarray | None = None  # static graph: the global used map, once known
+        self.checkpoint_sync = CheckpointHandshake(self, self.options.checkpoint_handshake)
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
@@ -290,6 +292,7 @@ class Engine:
             self.iteration = _Iteration()
         it = self.iteration
         if it.hparams is None:
+            checkpoint.serve_lone_state_dicts(self)  # before this iteration's first collective
             self.side.join()
             self._settle_steps()
             it.hparams = self._read_hparams()
