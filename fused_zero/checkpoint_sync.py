@@ -174,8 +174,8 @@ class CheckpointHandshake:
                 self.store.set(self._key("verdict"), "abort:rank 0 gave up waiting")
                 self._fail(
                     f"rank 0 is in optimizer.state_dict() and the other ranks did not join within "
-                    f"{deadline:.0f} s (they join from their next backward or their own state_dict()): "
-                    f"keep every rank training after a rank-0-only call, or {USAGE}")
+                    f"{deadline:.0f} s: after a call on rank 0 alone the other ranks must go on training "
+                    "(they join from their next backward); otherwise call it on every rank")
         try:
             arrived = int(store.get(summary))
         except dist.DistStoreError:
