@@ -18,12 +18,12 @@ import fused_zero
 from fused_zero.spawn import run_ranks
 
 
-def _measure(rank, world, iters):
+def _measure(rank, world, iters, hidden):
     torch.manual_seed(0)
     results = {}
     runs = {}
     for handshake in (True, False):
-        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+        model = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 64))
         ddp = DDP(model, bucket_cap_mb=0.05)
         opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, checkpoint_handshake=handshake)
         spent = [0.0]
@@ -61,8 +61,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    for rank, res in enumerate(run_ranks(_measure, args.world, args.iters, backend="gloo")):
+    for rank, res in enumerate(run_ranks(_measure, args.world, args.iters, args.hidden, backend="gloo")):
         on, off = res["on"], res["off"]
         print(f"rank {rank}: handshake {on['handshake_us']:.0f} us/iteration; iteration {on['iteration_us']:.0f} us "
               f"with it, {off['iteration_us']:.0f} us without (best block of 50)")

@@ -47,6 +47,8 @@ def register(engine, handles: list) -> None:
         pids = sorted({engine.pid_of[p] for p in reach(module, root) if p in engine.pid_of})
         if pids or module is root:
             handles.append(module.register_forward_pre_hook(ForwardWait(engine, pids, module is root)))
+    # rank-0-only state_dict(): post this iteration's side of the handshake early (checkpoint_sync.py)
+    handles.append(root.register_forward_pre_hook(lambda module, args: engine.checkpoint_sync.at_forward(module)))
     # model.state_dict() reads the parameters: give it their updated values
     handles.append(root.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
     if engine.track_used:

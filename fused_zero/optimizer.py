@@ -20,6 +20,8 @@ options shared by all:
                     module's forward waits only for the buckets it can read, see hooks.py; read
                     parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
+    checkpoint_handshake  True (default: rank 0 may call state_dict() alone, as nanoGPT does; a store
+                    handshake per iteration, see checkpoint_sync.py) or False (call it on every rank)
 """
 
 from __future__ import annotations
@@ -203,9 +205,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self, to: int | None = None) -> dict | None:
         """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... and, for bf16/fp16
         parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is. A collective: call it
-        on every rank. ``to=None``: every rank gets the whole dict; ``to=r``: only rank r does (the
-        others get None), gathered bucket by bucket. Unattached: torch.optim's dict of a fresh optimizer
-        (no state; no collective)."""
+        on every rank, or on rank 0 alone as nanoGPT does (the other ranks join the gathers from
+        their next backward, see checkpoint_sync.py). ``to=None``: every calling rank gets the whole
+        dict; ``to=r``: only rank r does (the others get None), gathered bucket by bucket.
+        Unattached: torch.optim's dict of a fresh optimizer (no state; no collective)."""
         if self._engine is None:
             return super().state_dict()
         return checkpoint.state_dict(self._engine, to)

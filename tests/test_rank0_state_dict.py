@@ -91,8 +91,17 @@ def nanogpt_loop(rank, world):
                     assert sd is None
                     continue
                 _assert_matches_torch(_saved_and_loaded(sd), ref_opt)
+        _assert_keys_deleted(opt._engine.checkpoint_sync)
         opt._engine.close()
     return "ok"
+
+
+def _assert_keys_deleted(sync):
+    """Every key of the handshake's past messages is gone from the store but the last two's."""
+    mine = ["msg", "verdict"] if sync.rank == 0 else [f"ans{sync.rank}"]
+    assert sync.seq > 8
+    left = [f"{m}/{k}" for m in range(sync.seq - 2) for k in mine if sync.store.check([f"{m}/{k}"])]
+    assert not left, left
 
 
 def test_rank0_only_state_dict_in_a_nanogpt_loop():
@@ -170,6 +179,13 @@ def misuses(rank, world):
     built = build(case, rank)
     _train_ours(case, built, rank, 1)
     out["to_differs"] = _error_of(lambda: built[2].state_dict(to=rank))
+    # between a training forward (which posts for the iteration) and its backward: refused on every rank
+    built = build(case, rank)
+    _train_ours(case, built, rank, 1)
+    loss = loss_of(built[1], case, 2, 0, rank)
+    out["mid_iteration"] = _error_of(built[2].state_dict)
+    del loss
+
     out["without_handshake"] = without_handshake(rank, world)
     return out
 
@@ -184,4 +200,5 @@ def test_misuses_fail_on_every_rank_and_the_handshake_can_be_off():
     assert "did not join within 3 s" in outs[0]["others_gone"], outs[0]
     assert "abandoned" in outs[1]["others_gone"], outs[1]
     assert "trains on" in outs[0]["alone_on_1"] and "called on rank 1" in outs[1]["alone_on_1"]
+    assert all("between a training forward and its backward" in out["mid_iteration"] for out in outs), outs
     assert [out["without_handshake"] for out in outs] == ["ok", "ok"]
