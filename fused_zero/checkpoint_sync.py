@@ -158,7 +158,7 @@ class CheckpointHandshake:
             self._post(f"ckpt:{to}")
             answers = self._answers(deadline=JOIN_DEADLINE_S)
             plan, error = self._decide(to, answers)
-            self._post(error or f"serve:{plan}", what="verdict")
+            self._post(f"abort:{error}" if error else f"serve:{plan}", what="verdict")
             self.seq += 1
             if error:
                 self._fail(error)
