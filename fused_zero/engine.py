@@ -294,7 +294,6 @@ class Engine:
         if it.hparams is None:
             checkpoint.serve_lone_state_dicts(self)  # before this iteration's first collective
             self.side.join()
-            self._settle_steps()
             it.hparams = self._read_hparams()
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
@@ -320,9 +319,7 @@ class Engine:
             self._finish(it, len(it.ready), self.max_grad_norm)
         if self.grad_reduce == "all_reduce" and self.world > 1:
             return works[-1].get_future().then(lambda _: buffer)
-        fut = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
+        return shard.completed(buffer)
 
     def _read_hparams(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -412,7 +409,8 @@ class Engine:
         bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
         the host knows that some parameter of the bucket got no gradient. With device flags, also the
         started host copy of them (for the step counts)."""
-        if it.coefs is None:
+        if it.coefs is None:  # the iteration's first table, before any of its updates
+            self._settle_steps()
             it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(len(self.params))))
         if isinstance(active, _UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]

@@ -5,6 +5,8 @@ bucket buffer and the kernels read it there."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -49,6 +51,7 @@ class BucketShard:
         self.segments = Segments.build(self.rows, device) if build_segments else None
         self.norm_segments = Segments.build(self.norm_rows, device) if build_segments else None
         self.gather: dist.Work | None = None
+        self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # DDP's buffer, kept until the step has run
 
     def bind_params(self) -> None:
@@ -74,6 +77,16 @@ class BucketShard:
             return
         for so, n, po, _, _ in self.layout.rows():
             master[so:so + n].copy_(self.param_buffer[po:po + n])
+
+    def completed(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """A completed Future of ``buffer``, what the comm hook returns where DDP need not wait: made once
+        per buffer and returned every iteration (DDP only waits on it and reads its value)."""
+        done = self._completed
+        if done is None or done[0]() is not buffer:
+            fut = torch.futures.Future()
+            fut.set_result(buffer)
+            self._completed = done = (weakref.ref(buffer), fut)
+        return done[1]
 
     def wait_gather(self) -> None:
         """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""
