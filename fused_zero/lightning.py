@@ -6,8 +6,8 @@ the optimizer to that DDP module (``opt.attach``). What Lightning does around th
 refused here, at setup:
 
 - ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` becomes the optimizer's
-  ``max_grad_norm`` (it needs ``overlap="step"``: only then are all gradients reduced before any
-  update), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by value is refused.
+  ``max_grad_norm`` (it needs ``overlap="step"`` or ``"backward"``: only there are all gradients
+  reduced before any update), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by value is refused.
 - ``precision="16-mixed"``: Lightning's GradScaler (its ``MixedPrecision`` plugin's) is handed to the
   optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or ``"backward"`` and is
   refused at setup with ``overlap="bucket"``. The plugin then steps as it does for torch's fused
@@ -97,10 +97,10 @@ class FusedZeroStrategy(DDPStrategy):
                              "fused_zero sees the reduced gradients only inside its update; clip by norm "
                              "(gradient_clip_algorithm='norm'), which maps to the optimizer's max_grad_norm")
         overlap = self._sharding.get("overlap", opt._options.get("overlap", "bucket"))
-        if overlap != "step":
-            raise ValueError(f"gradient_clip_val needs FusedZeroStrategy(overlap='step') (got overlap={overlap!r}): "
-                             "the global gradient norm is known only once every bucket is reduced, and the "
-                             "other modes update the parameters during the backward")
+        if overlap == "bucket":
+            raise ValueError(f"gradient_clip_val needs FusedZeroStrategy(overlap='step') or overlap='backward' "
+                             f"(got overlap={overlap!r}): the global gradient norm is known only once every "
+                             "bucket is reduced, and overlap='bucket' updates each bucket before the next is")
         self._max_grad_norm = float(value)
         return self._max_grad_norm
 
