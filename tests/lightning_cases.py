@@ -170,7 +170,8 @@ def run(rank: int, world: int, tmp: str) -> dict:
 
     out["refusals"] = [
         refusal(fails(gradient_clip_val=1.0), ValueError,
-                r"gradient_clip_val needs FusedZeroStrategy\(overlap='step'\) or overlap='backward' \(got overlap='bucket'\)"),
+                r"gradient_clip_val needs FusedZeroStrategy\(overlap='step'\) or overlap='backward' "
+                r"\(got overlap='bucket'\)"),
         refusal(fails(strategy=FusedZeroStrategy(overlap="step"), gradient_clip_val=1.0,
                       gradient_clip_algorithm="value"), ValueError, "gradient_clip_algorithm='value' is not supported"),
         refusal(fails(plugins=[fp16_plugin()]), ValueError, r"precision='16-mixed' \(a GradScaler\) needs "

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from expect import raises
 from scenarios import VOCAB, OddNet, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,14 +22,6 @@ def _ddp(**kw):
     return model, DDP(model, **kw)
 
 
-def _expect(fn, exc, match):
-    try:
-        fn()
-    except exc as e:
-        import re
-        assert re.search(match, str(e)), f"{type(e).__name__}: {e!s} does not match {match!r}"
-        return f"ok: {match}"
-    raise AssertionError(f"no {exc.__name__} matching {match!r}")
 
 
 def _snapshot(model):
@@ -44,7 +37,7 @@ def _hooks_of(ddp):
 def _refused_untouched(model, ddp, fn, exc, match):
     """``fn`` raises, and the model's parameters keep their storage and values, and DDP its hooks."""
     before, hooks = _snapshot(model), _hooks_of(ddp)
-    out = _expect(fn, exc, match)
+    out = raises(fn, exc, match)
     for i, ((ptr, value), p) in enumerate(zip(before, model.parameters())):
         assert p.data_ptr() == ptr, f"{match}: parameter {i} was rebound to another storage"
         assert torch.equal(p.detach(), value), f"{match}: parameter {i} changed"
@@ -139,26 +132,26 @@ def step_misuse(rank, world):
     out = []
     model, ddp = _ddp()
     opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp)
-    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
+    out.append(raises(opt.step, RuntimeError, "no reduced gradients"))
     x, y = batch(1, 0, rank)
     with ddp.no_sync():
         ddp(x, use_branch=True).sum().backward()
-    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
+    out.append(raises(opt.step, RuntimeError, "no reduced gradients"))
     ddp(x, use_branch=True).sum().backward()
     opt.step()
-    out.append(_expect(opt.step, RuntimeError, "no reduced gradients"))
-    out.append(_expect(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
+    out.append(raises(opt.step, RuntimeError, "no reduced gradients"))
+    out.append(raises(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
                        RuntimeError, "add_param_group"))
 
-    out.append(_expect(lambda: opt.state.__setitem__(next(iter(model.parameters())), {}), TypeError, "read-only"))
+    out.append(raises(lambda: opt.state.__setitem__(next(iter(model.parameters())), {}), TypeError, "read-only"))
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(ddp(x, use_branch=True).sum()).backward()
-    out.append(_expect(lambda: scaler.step(opt), RuntimeError, "overlap=.step. or overlap=.backward."))
+    out.append(raises(lambda: scaler.step(opt), RuntimeError, "overlap=.step. or overlap=.backward."))
 
     model2, ddp2 = _ddp()
     opt2 = fused_zero.AdamW(ddp2.parameters(), ddp=ddp2, overlap="step")
     ddp2(x, use_branch=True).sum().backward()
-    out.append(_expect(lambda: ddp2(x, use_branch=True).sum().backward(), RuntimeError, "without optimizer.step"))
+    out.append(raises(lambda: ddp2(x, use_branch=True).sum().backward(), RuntimeError, "without optimizer.step"))
     del opt2
     return out
 

@@ -3,11 +3,11 @@ raises what construction raises, and a late attach trains exactly as ddp= at con
 
 import functools
 import gc
-import re
 
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from expect import raises
 from scenarios import VOCAB, OddNet, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -22,13 +22,6 @@ def _model():
     return model
 
 
-def _expect(fn, exc, match):
-    try:
-        fn()
-    except exc as e:
-        assert re.search(match, str(e)), f"{type(e).__name__}: {e!s} does not match {match!r}"
-        return f"ok: {match}"
-    raise AssertionError(f"no {exc.__name__} matching {match!r}")
 
 
 def _loss(module, step, rank):
@@ -50,31 +43,31 @@ def unattached_and_attach_errors(rank, world):
     opt = fused_zero.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # before attach: must work
     out.append(str(opt.attached))
-    out.append(_expect(opt.step, RuntimeError, r"step\(\) needs this AdamW attached .* opt.attach\(ddp\)"))
-    out.append(_expect(opt.synchronize, RuntimeError, "attach"))
-    out.append(_expect(lambda: _loss(model, 0, rank).backward(), RuntimeError, "a backward through its parameters"))
+    out.append(raises(opt.step, RuntimeError, r"step\(\) needs this AdamW attached .* opt.attach\(ddp\)"))
+    out.append(raises(opt.synchronize, RuntimeError, "attach"))
+    out.append(raises(lambda: _loss(model, 0, rank).backward(), RuntimeError, "a backward through its parameters"))
     opt.zero_grad()
     sd = opt.state_dict()  # what Accelerate's prepare round-trips: a fresh optimizer's dict
     out.append(repr((sd["state"], sd["param_groups"][0]["lr"])))
     opt.load_state_dict(sd)
     with_state = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": sd["param_groups"]}
-    out.append(_expect(lambda: opt.load_state_dict(with_state), RuntimeError, "load_state_dict.*attach"))
-    out.append(_expect(lambda: opt.attach(model), TypeError, "got .*OddNet; wrap the model first"))
+    out.append(raises(lambda: opt.load_state_dict(with_state), RuntimeError, "load_state_dict.*attach"))
+    out.append(raises(lambda: opt.attach(model), TypeError, "got .*OddNet; wrap the model first"))
     lone = _model()
     lone_opt = fused_zero.AdamW(lone.parameters())
     plain_ddp = DDP(lone)  # a DDP the optimizer was never given: its backward must not train silently
-    out.append(_expect(lambda: _loss(plain_ddp, 0, rank).backward(), RuntimeError, "attach"))
+    out.append(raises(lambda: _loss(plain_ddp, 0, rank).backward(), RuntimeError, "attach"))
     del lone_opt
     wrong = DDP(_model())
-    out.append(_expect(lambda: opt.attach(wrong), ValueError, "not a parameter that the DDP module reduces"))
-    out.append(_expect(lambda: opt.attach(_Holder(wrong)), TypeError, "wraps a DistributedDataParallel"))
-    out.append(_expect(lambda: opt.attach(DDP(model), max_grad_norm=1.0), ValueError, "max_grad_norm needs"))
+    out.append(raises(lambda: opt.attach(wrong), ValueError, "not a parameter that the DDP module reduces"))
+    out.append(raises(lambda: opt.attach(_Holder(wrong)), TypeError, "wraps a DistributedDataParallel"))
+    out.append(raises(lambda: opt.attach(DDP(model), max_grad_norm=1.0), ValueError, "max_grad_norm needs"))
     ddp = DDP(model)
     opt.attach(ddp)  # the failed attaches left it unattached and usable
     out.append(str(opt.attached))
-    out.append(_expect(lambda: opt.attach(ddp), RuntimeError, "already attached"))
+    out.append(raises(lambda: opt.attach(ddp), RuntimeError, "already attached"))
     other = fused_zero.AdamW(model.parameters())
-    out.append(_expect(functools.partial(other.attach, ddp), RuntimeError, "already has a comm hook"))
+    out.append(raises(functools.partial(other.attach, ddp), RuntimeError, "already has a comm hook"))
     del other  # unattached, it would refuse the backward below: its parameters are the model's
     gc.collect()
     _loss(ddp, 0, rank).backward()
@@ -83,10 +76,10 @@ def unattached_and_attach_errors(rank, world):
     out.append(repr(opt.param_groups[0]["lr"]))
 
     built = fused_zero.AdamW(_model().parameters(), overlap="step")
-    out.append(_expect(lambda: built.attach(DDP(_model()), overlap="bucket"), ValueError, "give it once"))
-    out.append(_expect(lambda: fused_zero.AdamW(model.parameters(), overlap="eager"), ValueError, "overlap='eager'"))
-    out.append(_expect(lambda: fused_zero.AdamW(model.parameters(), sharding=1), TypeError, "sharding.*options are"))
-    out.append(_expect(lambda: fused_zero.SGD(model.parameters(), ddp=_Holder(ddp)), TypeError, "pass that DDP"))
+    out.append(raises(lambda: built.attach(DDP(_model()), overlap="bucket"), ValueError, "give it once"))
+    out.append(raises(lambda: fused_zero.AdamW(model.parameters(), overlap="eager"), ValueError, "overlap='eager'"))
+    out.append(raises(lambda: fused_zero.AdamW(model.parameters(), sharding=1), TypeError, "sharding.*options are"))
+    out.append(raises(lambda: fused_zero.SGD(model.parameters(), ddp=_Holder(ddp)), TypeError, "pass that DDP"))
     return out
 
 

@@ -1,11 +1,11 @@
 """torch.amp.GradScaler, non-finite gradients, max_grad_norm in backward mode and a user's
 clip_grad_norm_, against DDP + torch.optim (see amp_scenarios.py)."""
 
-import re
 
 import torch
 from amp_scenarios import AmpCase, run_amp_cases, run_user_clip
 from distributed import run_ranks
+from expect import raises
 from scenarios import OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -66,13 +66,6 @@ def test_user_clip_grad_norm_is_honored_or_refused_on_every_rank():
     assert r["bare-unscale-step-reduce_scatter"] is True
 
 
-def _expect(fn, exc, match):
-    try:
-        fn()
-    except exc as e:
-        assert re.search(match, str(e)), f"{type(e).__name__}: {e!s} does not match {match!r}"
-        return match
-    raise AssertionError(f"no {exc.__name__} matching {match!r}")
 
 
 def scaler_misuse(rank, world):
@@ -87,18 +80,18 @@ def scaler_misuse(rank, world):
 
     scaler = torch.amp.GradScaler("cpu")
     x, _ = batch(0, 0, rank)
-    out.append(_expect(build(grad_scaler=scaler)[1], ValueError, "overlap='step' or overlap='backward'"))
-    out.append(_expect(build(grad_scaler="yes", overlap="step")[1], TypeError, "torch.amp.GradScaler"))
-    out.append(_expect(build(on_nonfinite="warn")[1], ValueError, "on_nonfinite"))
+    out.append(raises(build(grad_scaler=scaler)[1], ValueError, "overlap='step' or overlap='backward'"))
+    out.append(raises(build(grad_scaler="yes", overlap="step")[1], TypeError, "torch.amp.GradScaler"))
+    out.append(raises(build(on_nonfinite="warn")[1], ValueError, "on_nonfinite"))
     build(max_grad_norm=1.0, overlap="backward")[1]()  # accepted now
     ddp, make = build(overlap="step")
     opt = make()
     scaler.scale(ddp(x, use_branch=True).sum()).backward()
-    out.append(_expect(lambda: scaler.step(opt), RuntimeError, "grad_scaler=scaler"))
+    out.append(raises(lambda: scaler.step(opt), RuntimeError, "grad_scaler=scaler"))
     ddp, make = build(overlap="backward", grad_scaler=scaler)
     opt = make()
     scaler.scale(ddp(x, use_branch=True).sum()).backward()
-    out.append(_expect(opt.step, RuntimeError, r"scaler.step\(optimizer\)"))
+    out.append(raises(opt.step, RuntimeError, r"scaler.step\(optimizer\)"))
     return out, run_amp_cases(rank, world, CASES_1)
 
 
