@@ -31,6 +31,7 @@ from .options import ShardingOptions, collect_params
 from .profiling import range_push
 from .registry import ShardRegistry
 from .shard import BucketShard
+from .step_counts import Pending, StepCounts
 from .streams import SideStream
 
 
@@ -44,20 +45,6 @@ class _UsedFlags:
     """
 
     table: torch.Tensor
-
-
-@dataclass
-class _PendingSteps:
-    """The step counts one update adds, known on the host only once device flags are copied back:
-    whether some rank found its gradients non-finite (then the update wrote nothing and counts no
-    step) and, where DDP may skip parameters, which got a gradient on some rank. Settled at the next
-    iteration's first hook, long after the copies finished: the step path never waits for the device.
-    """
-
-    pids: np.ndarray
-    active: np.ndarray | None  # known on the host, else counted from ``used``
-    used: tuple | None  # (host copy of the all-reduced used counts, event to synchronize first)
-    found: tuple  # (host copy of the update's skip flag, event to synchronize first)
 
 
 @dataclass
@@ -118,8 +105,8 @@ class Engine:
 
     Attributes (the main ones):
         params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
-        steps: each parameter's step count, on the host (replicated on every rank). Where DDP may
-            the counts of the last updates wait in ``_pending_steps`` until read (_PendingSteps).
+        steps / step_counts: each parameter's step count, on the host (replicated on every rank);
+            the last updates' counts are settled from device flags when next needed (step_counts.py).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
@@ -152,8 +139,7 @@ class Engine:
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         hooks.check_no_comm_hook(ddp)
-        self._steps = np.zeros(len(self.params), dtype=np.float64)
-        self._pending_steps: list[_PendingSteps] = []  # updates not yet counted in _steps
+        self.step_counts = StepCounts(len(self.params))
         # what the kernel divides each parameter's reduced gradient by: 1 where the reduction averaged
         self.grad_div = np.array([1.0 if self._pre_divides(p.dtype) else float(self.world) for p in self.params])
         self.side = SideStream(self.device)
@@ -203,40 +189,11 @@ class Engine:
     @property
     def steps(self) -> np.ndarray:
         """Each parameter's step count (numpy, writable in place), with every update so far counted."""
-        self._settle_steps()
-        return self._steps
+        return self.step_counts.settled
 
     @steps.setter
     def steps(self, value) -> None:  # ``engine.steps += 1`` (in place on the array, then assigned)
-        self._settle_steps()
-        self._steps = np.asarray(value, dtype=np.float64)
-
-    def _settle_steps(self) -> None:
-        """Count the updates of the last iteration. Called where the copies are long done: the next
-        iteration's first hook, or a reader of ``steps`` (checkpoints)."""
-        skipped: dict[int, bool] = {}  # one flag per update call, shared by its buckets: read it once
-        pids, counts = [], []
-        for pending in self._pending_steps:
-            found, event = pending.found
-            skip = skipped.get(id(found))
-            if skip is None:
-                if event is not None:
-                    event.synchronize()
-                skip = skipped[id(found)] = bool(found.reshape(-1)[0] != 0)
-            if skip:
-                continue
-            if pending.used is None:
-                pids.append(pending.pids)
-                counts.append(pending.active)
-                continue
-            used, event = pending.used
-            if event is not None:
-                event.synchronize()
-            pids.append(pending.pids)
-            counts.append(used.numpy() > 0)
-        if pids:  # a parameter is in one bucket only: no index repeats
-            self._steps[np.concatenate(pids)] += np.concatenate(counts)
-        self._pending_steps = []
+        self.step_counts.replace(value)
 
     def shards(self) -> list[BucketShard]:
         return self.registry.shards()
@@ -401,7 +358,7 @@ class Engine:
 
     def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
         """Every parameter's update scalars for this step, one row per parameter (host float32)."""
-        return self.algo.coefficients(hparams, self.group_of, self._steps + active, active, self.grad_div)
+        return self.algo.coefficients(hparams, self.group_of, self.step_counts.settled + active, active, self.grad_div)
 
     def _coefs_for(self, it: _Iteration, shard: BucketShard,
                    active: np.ndarray | _UsedFlags) -> tuple[torch.Tensor, tuple | None]:
@@ -410,7 +367,7 @@ class Engine:
         the host knows that some parameter of the bucket got no gradient. With device flags, also the
         started host copy of them (for the step counts)."""
         if it.coefs is None:  # the iteration's first table, before any of its updates
-            self._settle_steps()
+            self.step_counts.settle()
             it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(len(self.params))))
         if isinstance(active, _UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
@@ -445,7 +402,7 @@ class Engine:
             for item, flags in unit.items:
                 shard = item.shard
                 shard.reduced_buffer = None
-                self._pending_steps.append(_PendingSteps(
+                self.step_counts.add(Pending(
                     shard.pids, None if flags is not None else item.active, flags, skipped))
                 self._start_gather(shard)  # a skipped update gathers the unchanged parameters
 

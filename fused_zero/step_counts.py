@@ -1,0 +1,69 @@
+"""Each parameter's step count, on the host, where the coefficient tables are built (bias correction,
+SGD's first step), and how an update's counts reach it without the step path waiting for the device.
+
+Whether an update counted depends on device flags: whether some rank found its gradients non-finite
+(then the update wrote nothing and counts no step) and, where DDP may skip parameters, which got a
+gradient on some rank. The update starts copying those flags to the host and leaves a ``Pending``
+record; the records are settled where the next counts are needed, the iteration's first coefficient
+table or a reader of the counts (checkpoints), long after the copies finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Pending:
+    """The counts one bucket's update adds, once its flags are on the host."""
+
+    pids: np.ndarray
+    active: np.ndarray | None  # known on the host, else counted from ``used``
+    used: tuple | None  # (host copy of the all-reduced used counts, event to synchronize first)
+    found: tuple  # (host copy of the update's skip flag, event to synchronize first)
+
+
+class StepCounts:
+    def __init__(self, n_params: int):
+        self._counts = np.zeros(n_params, dtype=np.float64)
+        self._pending: list[Pending] = []
+
+    def add(self, pending: Pending) -> None:
+        self._pending.append(pending)
+
+    @property
+    def settled(self) -> np.ndarray:
+        """The counts with every update so far counted (numpy, writable in place)."""
+        self.settle()
+        return self._counts
+
+    def replace(self, value) -> None:
+        self.settle()
+        self._counts = np.asarray(value, dtype=np.float64)
+
+    def settle(self) -> None:
+        skipped: dict[int, bool] = {}  # one flag per update call, shared by its buckets: read it once
+        pids, counts = [], []
+        for pending in self._pending:
+            found, event = pending.found
+            skip = skipped.get(id(found))
+            if skip is None:
+                if event is not None:
+                    event.synchronize()
+                skip = skipped[id(found)] = bool(found.reshape(-1)[0] != 0)
+            if skip:
+                continue
+            if pending.used is None:
+                pids.append(pending.pids)
+                counts.append(pending.active)
+                continue
+            used, event = pending.used
+            if event is not None:
+                event.synchronize()
+            pids.append(pending.pids)
+            counts.append(used.numpy() > 0)
+        if pids:  # a parameter is in one bucket only: no index repeats
+            self._counts[np.concatenate(pids)] += np.concatenate(counts)
+        self._pending = []
