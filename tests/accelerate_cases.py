@@ -8,13 +8,13 @@ with gradient accumulation and a scheduler, recording every parameter after ever
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from expect import refusal
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -103,13 +103,6 @@ def differences(ours, ref, exact=True):
                 out.append(f"step {step} param {i}: max diff {float((p - q).abs().max()):.3g}")
     return out
 
-
-def refusal(fn, exc, pattern) -> str:
-    try:
-        fn()
-    except exc as e:
-        return "ok" if re.search(pattern, str(e)) else f"{type(e).__name__}: {e!s} does not match {pattern!r}"
-    return f"no {exc.__name__} matching {pattern!r}"
 
 
 def run(rank: int, world: int, port: int, tmp: str) -> dict:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from scenarios import VOCAB, OddNet, batch
+from scenarios import VOCAB, OddNet, _check_ranks_agree, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -146,10 +145,7 @@ def _check_finite_and_agree(model, opt, step) -> None:
     for shard in opt._engine.shards():
         for name, t in shard.state.items():
             assert torch.isfinite(t).all(), f"step {step}: non-finite {name}"
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    for r, other in enumerate(gathered):
-        assert torch.equal(other, gathered[0]), f"step {step}: rank {r} parameters differ from rank 0's"
+    _check_ranks_agree(model, step)
 
 
 def run_amp_cases(rank: int, world: int, cases: list[AmpCase]) -> list[tuple[str, dict]]:

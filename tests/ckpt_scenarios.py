@@ -39,6 +39,16 @@ def perturb(case, built, rank):
     train(case, built[1], built[2], rank, 3, start=500)
 
 
+
+def assert_same_state(ours: dict, theirs: dict) -> None:
+    """Two canonical dicts' ``state``: the same parameters, the same entries, the same values."""
+    assert ours.keys() == theirs.keys()
+    for k, st in theirs.items():
+        assert st.keys() == ours[k].keys(), (st.keys(), ours[k].keys())
+        for name, value in st.items():
+            torch.testing.assert_close(ours[k][name], value, rtol=1e-6, atol=1e-8)
+
+
 def snapshot(opt, model) -> dict:
     """Everything a refused load must leave byte for byte: parameters, state regions, steps, groups."""
     eng = opt._engine

@@ -8,13 +8,13 @@ training batch; a rank returns what differs.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from expect import refusal
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
@@ -103,14 +103,6 @@ def differences(ours, ref, rank, exact=True):
                 out.append(f"rank {rank} batch {step} param {i}: max diff {float((p - q).abs().max()):.3g}")
     return out
 
-
-def refusal(fn, exc, pattern) -> str:
-    try:
-        fn()
-    except exc as e:
-        msg = str(e)
-        return "ok" if re.search(pattern, msg) else f"{type(e).__name__}: {msg!r} does not match {pattern!r}"
-    return f"no {exc.__name__} matching {pattern!r}"
 
 
 def run(rank: int, world: int, tmp: str) -> dict:

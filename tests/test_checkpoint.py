@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from ckpt_scenarios import assert_unchanged, perturb, snapshot, train, train_both, train_ref
+from ckpt_scenarios import assert_same_state, assert_unchanged, perturb, snapshot, train, train_both, train_ref
 from distributed import run_ranks
 from scenarios import Case, _compare, build
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
@@ -29,11 +29,7 @@ def swap_with_torch(rank, world):
         model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
         train_both(case, built, rank, 5)
         ours, theirs = opt.state_dict(), copy.deepcopy(ref_opt.state_dict())
-        assert ours["state"].keys() == theirs["state"].keys()
-        for k, st in theirs["state"].items():
-            assert st.keys() == ours["state"][k].keys(), (st.keys(), ours["state"][k].keys())
-            for name, value in st.items():
-                torch.testing.assert_close(ours["state"][k][name], value, rtol=1e-6, atol=1e-8)
+        assert_same_state(ours["state"], theirs["state"])
         for g_ours, g_theirs in zip(ours["param_groups"], theirs["param_groups"]):
             keys = set(g_theirs) - {"foreach"}  # the reference pins foreach=False
             assert {k: g_ours[k] for k in keys} == {k: g_theirs[k] for k in keys}

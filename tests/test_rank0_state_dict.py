@@ -7,6 +7,7 @@ import io
 import time
 
 import torch
+from ckpt_scenarios import assert_same_state
 from distributed import run_ranks
 from scenarios import Case, OddNet, _compare, _reference_step, build, loss_of, param_groups
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,11 +39,7 @@ def _train_ref(case, built, rank, it):
 def _assert_matches_torch(sd, ref_opt):
     """The saved dict against torch.optim's own at the same step: every state tensor, step and group."""
     theirs = ref_opt.state_dict()
-    assert sd["state"].keys() == theirs["state"].keys()
-    for k, st in theirs["state"].items():
-        assert st.keys() == sd["state"][k].keys(), (st.keys(), sd["state"][k].keys())
-        for name, value in st.items():
-            torch.testing.assert_close(sd["state"][k][name], value, rtol=1e-6, atol=1e-8)
+    assert_same_state(sd["state"], theirs["state"])
     for ours, ref in zip(sd["param_groups"], theirs["param_groups"]):
         assert ours["lr"] == ref["lr"] and ours["params"] == ref["params"]
 
