@@ -1,4 +1,4 @@
-"""What the rank-0-only state_dict() handshake (fused_zero/checkpoint_sync.py) costs per iteration.
+"""What the rank-0-only state_dict() handshake (fused_zero/checkpoint/rank0.py) costs per iteration.
 
 Run: ``python bench/checkpoint_sync_cost.py [--world 2] [--iters 400]``. Trains a small model on gloo
 ranks with the handshake on and off, alternating blocks of iterations, and reports per rank the time
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.spawn import run_ranks
+from fused_zero.demo.spawn import run_ranks
 
 
 def _measure(rank, world, iters, hidden):
@@ -27,7 +27,7 @@ def _measure(rank, world, iters, hidden):
         ddp = DDP(model, bucket_cap_mb=0.05)
         opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, checkpoint_handshake=handshake)
         spent = [0.0]
-        sync = opt._engine.checkpoint_sync
+        sync = opt._checkpoint_sync
         inner = sync.at_iteration_start
 
         def timed(serve, inner=inner, spent=spent):

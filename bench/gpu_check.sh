@@ -37,7 +37,7 @@ START=$(date +%s)
 # lacks the kernels subpackage that the installed package maps in from kernels/. -P does the same for
 # python3 -m (Python >= 3.11) where the console scripts are not on PATH.
 if command -v pytest > /dev/null; then PYTEST=(pytest); else PYTEST=(python3 -P -m pytest); fi
-if command -v fused-zero > /dev/null; then FZ=(fused-zero); else FZ=(python3 -P -m fused_zero.cli); fi
+if command -v fused-zero > /dev/null; then FZ=(fused-zero); else FZ=(python3 -P -m fused_zero.demo.cli); fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2

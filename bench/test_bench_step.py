@@ -110,7 +110,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_zero import spawn
+from fused_zero.demo import spawn
 
 CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if CUDA else 0
@@ -136,7 +136,7 @@ STEP_MODELS = ({"n64-l2": (64, 2, 4), "n512-l6": (512, 6, 8), "n1024-l8": (1024,
 SCALING_MODELS = ({"n64-l2": (64, 2, 4), "n1024-l8": (1024, 8, 16)} if CUDA
                   else {"n64-l2": (64, 2, 4), "n128-l2": (128, 2, 4), "n128-l4": (128, 4, 4)})
 SMALL_BATCH = 4      # per rank, step and scaling benchmarks
-DEMO = dict(model=(64, 2, 4), batch=16, block=64, bucket_cap_mb=0.1)  # fused_zero/demo.py's defaults
+DEMO = dict(model=(64, 2, 4), batch=16, block=64, bucket_cap_mb=0.1)  # fused_zero/demo/run.py's defaults
 BLOCK = 64
 BUCKET_CAP_MB = 0.1
 HOST_MODEL = (64, 10, 4)  # 124 parameters: with HOST_BUCKET_CAP_MB, 124 buckets (one per parameter)
@@ -209,7 +209,7 @@ class _HostProbe:
     """Wraps ``Engine.on_bucket`` (class-wide) and one engine's ``algo.update`` to add up host time."""
 
     def __init__(self):
-        from fused_zero import engine as fz_engine
+        from fused_zero.pipeline import engine as fz_engine
 
         self.cls = fz_engine.Engine
         self.original = self.cls.on_bucket
@@ -270,7 +270,7 @@ class _System:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         import fused_zero
-        from fused_zero.demo_model import GPT, GPTConfig, param_count
+        from fused_zero.demo.model import GPT, GPTConfig, param_count
 
         self.name = name
         n_embd, n_layer, n_head = sc["model"]
@@ -375,7 +375,7 @@ def _run_block(system: _System, data, start: int, warmup: int, iters: int, marks
 
 
 def _run_scenario(rank: int, world: int, sc: dict, corpus, vocab: int, device: torch.device) -> dict:
-    from fused_zero.demo_model import batches
+    from fused_zero.demo.model import batches
 
     impl, impl_name = _torch_adamw_kwargs(device)
     per_round = [ITERS // ROUNDS + (r < ITERS % ROUNDS) for r in range(ROUNDS)]
@@ -420,7 +420,7 @@ def _run_scenario(rank: int, world: int, sc: dict, corpus, vocab: int, device: t
 
 
 def _rank_main(rank: int, world: int, scenarios: list[dict]) -> list[dict]:
-    from fused_zero.demo_model import CharTokenizer, load_corpus
+    from fused_zero.demo.model import CharTokenizer, load_corpus
 
     device = torch.device("cuda", rank) if CUDA else torch.device("cpu")
     text = load_corpus()

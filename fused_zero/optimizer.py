@@ -17,11 +17,11 @@ options shared by all:
                     rank and counted in skipped_steps) or "raise" (skipped, then step() raises)
     param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
                     wait, no host sync) or "forward" (the all-gathers run on behind step() and each
-                    module's forward waits only for the buckets it can read, see hooks.py; read
+                    module's forward waits only for the buckets it can read, see pipeline/hooks.py; read
                     parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
     checkpoint_handshake  True (default: rank 0 may call state_dict() alone, as nanoGPT does; a store
-                    handshake per iteration, see checkpoint_sync.py) or False (call it on every rank)
+                    handshake per iteration, see checkpoint/rank0.py) or False (call it on every rank)
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from types import MappingProxyType
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint, sharded_checkpoint
-from .algorithms import AdamFamily, SGDAlgorithm
-from .engine import Engine
+from .checkpoint import canonical, sharded
 from .options import ShardingOptions
+from .pipeline.engine import Engine
+from .update.algorithms import AdamFamily, SGDAlgorithm
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -47,7 +47,7 @@ class _ShardedState(Mapping):
     would have state for (stepped at least once; SGD only with momentum), so ``len``, ``bool``, ``in``
     and iteration agree with each other and with torch (torch's checkpoint helpers test
     ``bool(opt.state)`` to decide whether to create state). ``opt.state[p]`` is a snapshot of this
-    rank's share, with no collective (see checkpoint.local_entry); a parameter without state reads as
+    rank's share, with no collective (see canonical.local_entry); a parameter without state reads as
     ``{}``, as torch's defaultdict does. Writing into it is refused: the state lives in the ranks'
     regions; change it through ``load_state_dict``. Writing into a snapshot's dict changes nothing,
     which keeps device-moving walkers harmless (the state already lives where the parameters do)."""
@@ -56,13 +56,13 @@ class _ShardedState(Mapping):
         self._engine = engine
 
     def _pids(self):
-        return [pid for pid in range(len(self._engine.params)) if checkpoint.has_state(self._engine, pid)]
+        return [pid for pid in range(len(self._engine.params)) if canonical.has_state(self._engine, pid)]
 
     def __getitem__(self, param):
         pid = self._engine.pid_of.get(param)
         if pid is None:
             raise KeyError("not a parameter this optimizer updates")
-        return checkpoint.local_entry(self._engine, pid) if checkpoint.has_state(self._engine, pid) else {}
+        return canonical.local_entry(self._engine, pid) if canonical.has_state(self._engine, pid) else {}
 
     def __iter__(self):
         return iter([self._engine.params[pid] for pid in self._pids()])
@@ -72,7 +72,7 @@ class _ShardedState(Mapping):
 
     def __contains__(self, param):
         pid = self._engine.pid_of.get(param)
-        return pid is not None and checkpoint.has_state(self._engine, pid)
+        return pid is not None and canonical.has_state(self._engine, pid)
 
     def __setitem__(self, key, value):
         raise TypeError("fused_zero's opt.state is read-only: the state is sharded across ranks; change it "
@@ -93,7 +93,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     """
 
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
-    # param.grad itself: the kernel unscales (see amp.py).
+    # param.grad itself: the kernel unscales (see pipeline/amp.py).
     _step_supports_amp_scaling = True
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
@@ -132,6 +132,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         _check_options(merged)
         self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
         self._engine = Engine(self, ddp, self._algorithm, **merged)
+        self._checkpoint_sync = canonical.install_rank0(self._engine, self._engine.options.checkpoint_handshake)
         self._options = merged
         self.state = _ShardedState(self._engine)
         for handle in getattr(self, "_unattached_hooks", ()):
@@ -163,10 +164,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if engine.iteration.invoked == 0 and checkpoint.is_state_init_step(engine):
-            checkpoint.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
+        if engine.iteration.invoked == 0 and canonical.is_state_init_step(engine):
+            canonical.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
-        # torch.amp.GradScaler.step() sets both attributes for the call (amp.py); grad_scale is None
+        # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is None
         # once the user has called scaler.unscale_(opt)
         engine.step(via_scaler=hasattr(self, "found_inf"), grad_scale=getattr(self, "grad_scale", None))
         return loss
@@ -186,7 +187,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
 
         ``state``: master weights and moments of this rank's slice of each bucket plus its small
-        replicated tail (see layout.py): 1/W of the model and nothing else, since gradients are
+        replicated tail (see pipeline/layout.py): 1/W of the model and nothing else, since gradients are
         reduced in place in DDP's buckets; ``reference_state``: torch.optim's fp32 state for the same
         parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """
@@ -206,12 +207,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... and, for bf16/fp16
         parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is. A collective: call it
         on every rank, or on rank 0 alone as nanoGPT does (the other ranks join the gathers from
-        their next backward, see checkpoint_sync.py). ``to=None``: every calling rank gets the whole
+        their next backward, see checkpoint/rank0.py). ``to=None``: every calling rank gets the whole
         dict; ``to=r``: only rank r does (the others get None), gathered bucket by bucket.
         Unattached: torch.optim's dict of a fresh optimizer (no state; no collective)."""
         if self._engine is None:
             return super().state_dict()
-        return checkpoint.state_dict(self._engine, to)
+        return canonical.state_dict(self._engine, self._checkpoint_sync, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
@@ -223,19 +224,19 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             super().load_state_dict(state_dict)
             self.state = MappingProxyType({})
             return
-        checkpoint.load_state_dict(self._engine, state_dict)
+        canonical.load_state_dict(self._engine, state_dict)
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,
-        as ShardedTensors over each parameter's flattened state (see sharded_checkpoint.py).
+        as ShardedTensors over each parameter's flattened state (see checkpoint/sharded.py).
         ``dcp.save(opt.sharded_state_dict(), ...)``; to load, ``sd = opt.sharded_state_dict();
         dcp.load(sd, ...); opt.load_sharded_state_dict(sd)`` at any world size or bucket layout."""
-        return sharded_checkpoint.sharded_state_dict(self._attached_engine("sharded_state_dict()"))
+        return sharded.sharded_state_dict(self._attached_engine("sharded_state_dict()"))
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
         all of it on every rank: a refused dict raises and changes nothing."""
-        sharded_checkpoint.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
+        sharded.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
 
 
 class AdamW(_ShardedOptimizer):

@@ -31,7 +31,7 @@ class ShardingOptions:
         max_grad_norm: global-norm clipping as ``clip_grad_norm_``; needs every gradient before any
             update, so overlap="step" or "backward" (not "bucket").
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled losses this optimizer steps on (see
-            amp.py); overlap="step" or "backward".
+            pipeline/amp.py); overlap="step" or "backward".
         on_nonfinite: what a step whose reduced gradients hold an inf or NaN does, without a scaler:
             "skip" it on every rank (default; counted in ``skipped_steps``) or "raise" in ``step()``,
             on every rank, after skipping it. With a scaler, overflow steps are skipped as torch does.
@@ -39,7 +39,7 @@ class ShardingOptions:
             module's forward pre-hook waits for the buckets it reads).
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
         checkpoint_handshake: let rank 0 call ``state_dict()`` alone (a per-iteration handshake through
-            the process group's store, see checkpoint_sync.py); False: call it on every rank.
+            the process group's store, see checkpoint/rank0.py); False: call it on every rank.
     """
 
     grad_reduce: str = "reduce_scatter"

@@ -1,7 +1,7 @@
 """The test suite's ranks: gloo on 127.0.0.1, collectives that give up after 90 s, the whole spawn after
 600 s. Spawning and importing torch costs seconds, so callers run many scenarios per spawn."""
 
-from fused_zero.spawn import run_ranks as _run_ranks
+from fused_zero.demo.spawn import run_ranks as _run_ranks
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 600.0):

@@ -165,20 +165,20 @@ def held_gathers():
     """Make fused_zero's all-gathers land only at ``wait()``: the collective runs into a staging
     buffer, so until the wait the parameters hold stale values outside this rank's own slice, and a
     forward that reads them without waiting computes a wrong loss instead of winning a race."""
-    from fused_zero import engine
+    from fused_zero.pipeline import updates
 
-    real = engine.all_gather
+    real = updates.all_gather
 
     def all_gather(out, inp, group=None, async_op=False):
         staged = torch.empty_like(out)
         real(staged, inp, group=group)
         return _HeldGather(out, staged)
 
-    engine.all_gather = all_gather
+    updates.all_gather = all_gather
     try:
         yield
     finally:
-        engine.all_gather = real
+        updates.all_gather = real
 
 
 @contextlib.contextmanager

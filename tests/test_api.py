@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.layout import alignment
+from fused_zero.pipeline.layout import alignment
 
 
 def _ddp(**kw):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fused_zero.spawn import RanksFailed
+from fused_zero.demo.spawn import RanksFailed
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_zero.layout import BucketLayout
+from fused_zero.pipeline.layout import BucketLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 

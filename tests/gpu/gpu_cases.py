@@ -206,7 +206,7 @@ def _world1(rank, world, steps):
 
 
 def case_engine_world1():
-    from fused_zero.spawn import run_ranks
+    from fused_zero.demo.spawn import run_ranks
 
     run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
 
@@ -249,7 +249,7 @@ def _no_host_sync(rank, world):
 
 
 def case_no_host_sync():
-    from fused_zero.spawn import run_ranks
+    from fused_zero.demo.spawn import run_ranks
 
     run_ranks(_no_host_sync, 1, backend="nccl", timeout=300)
 
@@ -257,7 +257,7 @@ def case_no_host_sync():
 def case_engine_sanitized():
     """The world-1 engine checks again, fewer steps, with torch's CUDA sanitizer on: the parent sets
     TORCH_CUDA_SANITIZER=1, which torch reads at import (it sees torch's ops, not Triton's launches)."""
-    from fused_zero.spawn import run_ranks
+    from fused_zero.demo.spawn import run_ranks
 
     if not os.environ.get("TORCH_CUDA_SANITIZER"):
         raise Skip("TORCH_CUDA_SANITIZER is not set")
@@ -269,7 +269,7 @@ def _shared_gpu(rank, world):
     collective fused_zero issues, then the engine in each mode against DDP + torch.optim."""
     import torch.distributed as dist
 
-    from fused_zero.collectives import all_gather, reduce_scatter
+    from fused_zero.pipeline.collectives import all_gather, reduce_scatter
 
     dev = torch.device("cuda", 0)
     try:
@@ -294,7 +294,7 @@ def _shared_gpu(rank, world):
 
 
 def case_two_ranks_one_gpu():
-    from fused_zero.spawn import run_ranks
+    from fused_zero.demo.spawn import run_ranks
 
     outs = run_ranks(_shared_gpu, 2, backend="gloo", timeout=400)
     if any(o.startswith("skip") for o in outs):
@@ -315,7 +315,7 @@ def _nccl(rank, world):
 
 
 def case_nccl_multi_gpu():
-    from fused_zero.spawn import run_ranks
+    from fused_zero.demo.spawn import run_ranks
 
     n = torch.cuda.device_count()
     if n < 2:

@@ -1,0 +1,118 @@
+"""Checks a state dict passes before anything is loaded from it: a refused load must leave the running
+optimizer exactly as it was (parameters, state, ``param_groups``), so every check runs first and the
+loaders only mutate once all of them passed, on every rank.
+
+The error names the first difference found, in the optimizer's parameter order.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+
+MASTER_KEY = "fp32_master"
+"""The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.
+torch.optim loads it as an unknown key (carried along, never read), see canonical.py."""
+
+_KIND_NAMES = {"adam": "Adam/AdamW", "sgd": "SGD"}
+_FOREIGN_STATE = {"adam": ("momentum_buffer",), "sgd": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+_GROUP_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"), "sgd": ("lr", "momentum", "dampening",
+                                                                       "weight_decay", "nesterov")}
+
+
+class StateDictError(ValueError):
+    """A state dict that cannot be loaded; nothing was changed."""
+
+
+def check_structure(sd, kind: str) -> None:
+    """The outer shape: what a truncated file or an unrelated object fails."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(
+            sd.get("param_groups"), list):
+        keys = f" with keys {sorted(map(str, sd))}" if isinstance(sd, dict) else ""
+        raise StateDictError("not an optimizer state dict (need a dict with 'state' and 'param_groups', got "
+                             f"{type(sd).__name__}{keys})")
+    for i, g in enumerate(sd["param_groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise StateDictError(f"param group {i} of the state dict has no 'params' list")
+        missing = [k for k in _GROUP_KEYS[kind] if k not in g]
+        if missing:
+            other = next(k for k in _KIND_NAMES if k != kind)
+            hint = (f": it looks like {_KIND_NAMES[other]} state" if all(k in g for k in _GROUP_KEYS[other])
+                    else "")
+            raise StateDictError(f"param group {i} of the state dict lacks {missing}, which "
+                                 f"{_KIND_NAMES[kind]} needs{hint}")
+
+
+def merged_groups(opt, saved_groups: list) -> list[dict]:
+    """The param groups as they will be after the load (copies; the optimizer's are not touched)."""
+    if len(saved_groups) != len(opt.param_groups):
+        raise StateDictError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
+                             f"{len(opt.param_groups)}")
+    out = []
+    for i, (g, s) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(g["params"]) != len(s["params"]):
+            raise StateDictError(f"param group {i} has {len(g['params'])} parameters, the state dict's "
+                                 f"{len(s['params'])}")
+        merged = {k: copy.deepcopy(v) for k, v in s.items() if k != "params"}
+        merged["params"] = g["params"]
+        out.append(merged)
+    return out
+
+
+def check_algorithm(engine, groups: list[dict]) -> None:
+    """The groups' hyperparameters pass the algorithm's checks and need the state the optimizer has."""
+    probe = copy.copy(engine.algo)
+    try:
+        probe.refresh(groups)
+    except ValueError as e:
+        raise StateDictError(f"the state dict's param groups are refused: {e}") from None
+    if probe.state_names() != engine.algo.state_names():
+        raise StateDictError(f"the state dict's settings need state {probe.state_names()}, the optimizer was "
+                             f"built with {engine.algo.state_names()}; build it with the same amsgrad / "
+                             "momentum settings")
+
+
+def check_entry(engine, pid: int, where: str, entry, shape, required: list[str]) -> None:
+    """One parameter's saved state: no foreign keys, every required tensor, shapes, finite values.
+    ``shape``: the shape each state tensor must have (the parameter's, or a flat local share)."""
+    if not isinstance(entry, dict):
+        raise StateDictError(f"{where}: the state entry is a {type(entry).__name__}, not a dict")
+    kind = engine.algo.kind
+    foreign = [k for k in _FOREIGN_STATE[kind] if entry.get(k) is not None]
+    if foreign:
+        raise StateDictError(f"{where} has {foreign}: that is not {_KIND_NAMES[kind]} state (the state dict "
+                             "was saved by another kind of optimizer)")
+    if not entry:
+        return  # a parameter that has not stepped yet
+    for name in required:
+        if entry.get(name) is None:
+            raise StateDictError(f"{where} lacks {name!r}, which {_KIND_NAMES[kind]} needs")
+    for name, value in entry.items():
+        if name == "step":
+            step = float(value.item() if isinstance(value, torch.Tensor) else value)
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise StateDictError(f"{where}: step is {step}, not a count")
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != tuple(shape):
+            raise StateDictError(f"{where}: state {name!r} has shape {tuple(value.shape)}, the parameter "
+                                 f"needs {tuple(shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise StateDictError(f"{where}: state {name!r} holds non-finite values")
+
+
+def agree(engine, error: str | None) -> None:
+    """Every rank learns whether any rank refused; all raise (the first refusing rank's message) or none
+    does. Without this a rank with a corrupt copy would refuse while the others go on and mutate."""
+    errors = [error]
+    if engine.world > 1:
+        errors = [None] * engine.world
+        dist.all_gather_object(errors, error, group=engine.group)
+    for rank, e in enumerate(errors):
+        if e is not None:
+            prefix = "" if rank == engine.rank else f"rank {rank} refused the state dict: "
+            raise StateDictError(prefix + e)

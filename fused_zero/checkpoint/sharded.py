@@ -1,0 +1,152 @@
+"""The optimizer state for torch.distributed.checkpoint (DCP): each rank saves only what it owns, and a
+checkpoint loads at any world size or bucket layout.
+
+Every parameter's state tensor is one ShardedTensor over the parameter's flattened elements, keyed by
+torch.optim's parameter index (``state.<i>.exp_avg``, ``state.<i>.fp32_master``, ...): the chunks are
+the runs of the parameter inside each rank's slice (layout.owners), and the replicated tail belongs to
+rank 0, so the chunks tile the parameter exactly, as DCP's save planner requires. Every rank knows
+every rank's runs, so the global metadata is built locally, with no collective. Resharding is DCP's:
+on load each rank asks for its own runs in the new layout and DCP reads them from whichever saved
+chunks overlap. The tail, held by every rank, is read by rank 0 and broadcast.
+
+The local chunks are copies, not views of the live state: ``dcp.load`` writes into them, and the
+optimizer changes only in ``load_sharded_state_dict``, once every check passed on every rank. Saving
+thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
+
+``state.<i>.step`` is a plain tensor (replicated; DCP writes it once); ``fused_zero`` holds the param
+groups and records the optimizer kind, state names and parameter shapes, so that a mismatch is named
+before anything loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from ..pipeline.layout import REPLICATED
+from . import canonical, checks
+from .checks import MASTER_KEY, StateDictError
+
+
+def _owner(owner: int) -> int:
+    return 0 if owner == REPLICATED else owner
+
+
+def _state_key(name: str) -> str:
+    return MASTER_KEY if name == "master" else name
+
+
+def _describe(engine) -> dict:
+    return {"kind": engine.algo.kind, "state": sorted({_state_key(n) for s in engine.shards() for n in s.state}),
+            "shapes": {canonical.param_index(engine.opt)[id(p)]: list(p.shape) for p in engine.params}}
+
+
+def sharded_state_dict(engine) -> dict:
+    """A collective only in that every rank must call it (no communication happens)."""
+    engine.synchronize()
+    index = canonical.param_index(engine.opt)
+    state = {}
+    for pid, p in enumerate(engine.params):
+        shard, local = engine.registry.where[pid]
+        runs = shard.layout.owners(local, engine.rank)
+        metas = [ShardMetadata([lo], [hi - lo], f"rank:{_owner(owner)}/{engine.device}")
+                 for lo, hi, owner, _ in runs]
+        entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
+        for name, region in shard.state.items():
+            local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone(), m)
+                            for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == engine.rank]
+            md = ShardedTensorMetadata(metas, torch.Size([p.numel()]), TensorProperties(dtype=torch.float32))
+            entry[_state_key(name)] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                local_shards, md, process_group=engine.group)
+        state[index[id(p)]] = entry
+    # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
+    return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), _describe(engine))}
+
+
+def load_sharded_state_dict(engine, sd) -> None:
+    error = None
+    try:
+        plan = _check(engine, sd)
+    except StateDictError as e:
+        error, plan = str(e), None
+    except Exception as e:
+        error, plan = f"the sharded state dict is malformed ({type(e).__name__}: {e})", None
+    checks.agree(engine, error)
+    _apply(engine, *plan)
+
+
+def _check(engine, sd):
+    kind = engine.algo.kind
+    meta = sd.get("fused_zero") if isinstance(sd, dict) else None
+    if not (isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[1], dict)):
+        raise StateDictError("not a fused_zero sharded state dict (no 'fused_zero' entry)")
+    groups, saved = meta
+    checks.check_structure({"state": sd.get("state"), "param_groups": groups}, kind)
+    mine = _describe(engine)
+    if saved["kind"] != kind:
+        raise StateDictError(f"the checkpoint holds {checks._KIND_NAMES.get(saved['kind'], saved['kind'])} "
+                             f"state, this optimizer is {checks._KIND_NAMES[kind]}")
+    for i, shape in mine["shapes"].items():
+        if saved["shapes"].get(i) != shape:
+            raise StateDictError(f"parameter {i} has shape {tuple(shape)}, the checkpoint's "
+                                 f"{tuple(saved['shapes'].get(i) or ())}")
+    groups = checks.merged_groups(engine.opt, groups)
+    checks.check_algorithm(engine, groups)
+    index = canonical.param_index(engine.opt)
+    engine.synchronize()
+    values = {}
+    for pid, p in enumerate(engine.params):
+        i = index[id(p)]
+        entry = sd["state"][i]
+        where = f"parameter {i} (shape {tuple(p.shape)})"
+        step = entry["step"]
+        local = {"step": step}
+        shard, loc = engine.registry.where[pid]
+        for name in shard.state:
+            st = entry[_state_key(name)]
+            by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
+            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc, engine.rank)
+                         if _owner(owner) == engine.rank]
+            if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
+                raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
+                                     "sharded_state_dict() again after the buckets changed")
+            flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else torch.zeros(0)
+            local[_state_key(name)] = flat
+            if name == "master" and mine_runs and float(step) > 0:
+                params = torch.cat([p.detach().reshape(-1)[lo:hi] for lo, hi, _ in mine_runs])
+                if not torch.equal(flat.to(p.dtype), params):
+                    raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
+                                         "the model's weights before the optimizer's state")
+        required = [_state_key(n) for n in shard.state] + ["step"]
+        checks.check_entry(engine, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
+                                 required)
+        values[pid] = local
+    return groups, values
+
+
+def _apply(engine, groups, values) -> None:
+    opt = engine.opt
+    for g, merged in zip(opt.param_groups, groups):
+        g.update({k: v for k, v in merged.items() if k != "params"})
+    engine.algo.refresh(opt.param_groups)
+    for shard in engine.shards():
+        names = list(shard.state)
+        for local, pid in enumerate(shard.layout.pids):
+            saved = values[pid]
+            pos = 0
+            for lo, hi, owner, off in shard.layout.owners(local, engine.rank):
+                if _owner(owner) != engine.rank:
+                    continue
+                for name in names:
+                    shard.state[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
+                pos += hi - lo
+            engine.steps[pid] = float(saved["step"])
+        layout = shard.layout
+        if layout.tail and engine.world > 1 and names:
+            tail = torch.stack([shard.state[n][slice(*layout.region_tail(engine.rank))] for n in names])
+            dist.broadcast(tail, src=dist.get_global_rank(engine.group, 0), group=engine.group)
+            for f, n in enumerate(names):
+                shard.state[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])

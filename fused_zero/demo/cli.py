@@ -1,0 +1,42 @@
+"""The ``fused-zero`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fused-zero", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small GPT with torch.optim and fused_zero side by side")
+    default_world = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    demo.add_argument("--world-size", type=int, default=default_world,
+                      help="ranks to spawn (default: one per GPU, else 2 CPU ranks on gloo)")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--optimizer", choices=["AdamW", "Adam", "SGD"], default="AdamW")
+    demo.add_argument("--overlap", choices=["bucket", "backward", "step"], default="bucket")
+    demo.add_argument("--grad-reduce", choices=["reduce_scatter", "all_reduce"], default="reduce_scatter")
+    demo.add_argument("--bucket-cap-mb", type=float, default=0.1,
+                      help="DDP bucket size; small so that the small model spans several buckets")
+    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--batch-size", type=int, default=16)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto",
+                      help="update implementation (auto: Triton on CUDA, torch's ops on CPU)")
+    demo.add_argument("--profile", metavar="DIR", default=None,
+                      help="write a torch.profiler trace of rank 0 (steps 4-6) to DIR")
+    args = parser.parse_args(argv)
+    from .run import DemoConfig, run
+
+    cfg = DemoConfig(world_size=args.world_size, steps=args.steps, optimizer=args.optimizer,
+                     overlap=args.overlap, grad_reduce=args.grad_reduce, bucket_cap_mb=args.bucket_cap_mb,
+                     lr=args.lr, batch_size=args.batch_size, seed=args.seed, backend=args.backend,
+                     profile_dir=args.profile)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

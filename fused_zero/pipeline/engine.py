@@ -1,0 +1,308 @@
+"""One iteration's pipeline behind the optimizer classes: reduce -> update -> gather, driven by DDP's
+comm hook, and ``step()`` ending the iteration.
+
+DDP hands every bucket of gradients to the comm hook in bucket order; the hook starts its reduction
+(reduce-scatter of the head plus an all-reduce of the small tail, or one all-reduce), and, when the
+overlap mode says so, waits for it, runs the fused update on this rank's region and starts the
+all-gather of the updated slices into the flat parameter buffer. ``step()`` ends the iteration; the
+all-gathers are waited for there or by the forward pre-hooks.
+
+The stages live beside it: the reduction (reduction.py), the update and the all-gather (updates.py),
+and what ``step()`` does with a user's edits of ``.grad`` and a GradScaler (step_policy.py); so do
+which shard holds which parameter and resharding (registry.py), the side stream (streams.py) and the
+hooks (hooks.py). The options and their checks are the public ones (fused_zero/options.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..kernels import Segments
+from ..options import ShardingOptions, collect_params
+from ..update.algorithms import Algorithm, UpdateArgs
+from . import hooks
+from .amp import ScalerLink
+from .arena import SingleLaunch
+from .profiling import range_push
+from .reduction import Reduced, Reduction
+from .registry import ShardRegistry
+from .shard import BucketShard
+from .step_counts import StepCounts
+from .step_policy import StepPolicy
+from .streams import SideStream
+from .updates import Updates
+
+
+@dataclass
+class _Iteration:
+    """What one synced backward has done so far; replaced when ``step()`` ends it.
+
+    Attributes:
+        hparams: param groups' hyperparameters, read at the iteration's first bucket.
+        coefs: the per-parameter coefficient table of this iteration (every parameter active), on the
+            update's device; built once, shared by every bucket's launch.
+        invoked: buckets handed to the hook.
+        last_invoked: the hook has seen DDP's last bucket.
+        ready: buckets whose reduction was started but which are not updated yet.
+        grad_scale: the loss scale the reduced gradients carry (GradScaler), or None.
+        found_inf: one-element device flag, non-zero once an update of this iteration was skipped
+            (non-finite gradients on some rank, or a user's edit to ``.grad`` that cannot be honored).
+        edited: a user's edit to ``.grad`` (``overlap="step"``: this rank's, then any rank's on CPU).
+    """
+
+    hparams: list[dict] | None = None
+    coefs: torch.Tensor | None = None
+    invoked: int = 0
+    last_invoked: bool = False
+    ready: list[Reduced] = field(default_factory=list)
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    edited: bool = False
+
+
+class Engine:
+    """Everything one fused_zero optimizer does, behind the torch.optim interface (see optimizer.py).
+
+    Attributes (the main ones):
+        params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
+        steps / step_counts: each parameter's step count, on the host (replicated on every rank);
+            the last updates' counts are settled from device flags when next needed (step_counts.py).
+        registry: which BucketShard holds each parameter's state (ShardRegistry).
+        iteration: this iteration's progress (_Iteration).
+        side: the side stream the updates run on (SideStream; inline on CPU).
+        scaler: the user's GradScaler (ScalerLink), or None.
+        skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
+        reduction, updates: the pipeline's stages (reduction.py, updates.py).
+        policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
+        iteration_start: callables run at each synced iteration's first bucket, before any of its
+            collectives (the rank-0 checkpoint's handshake, checkpoint/rank0.py).
+        forward_start: callables run with the DDP's module at the start of each of its forwards.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
+        """Validate, then mutate: every check that can refuse runs before the first change to the
+        model or the DDP module (rebinding parameters to the flat buffers, registering hooks), so a
+        refused optimizer leaves a working model, and a working optimizer, as they were."""
+        self.options = ShardingOptions(**options)
+        self.opt = optimizer
+        self.ddp = ddp
+        self.algo = algorithm
+        self.overlap = self.options.overlap
+        self.grad_reduce = self.options.grad_reduce
+        self.max_grad_norm = self.options.max_grad_norm
+        self.param_sync = self.options.param_sync
+        self.on_nonfinite = self.options.on_nonfinite
+        scaler = self.options.grad_scaler
+        self.scaler = ScalerLink(scaler, optimizer) if scaler is not None else None
+        self.group = ddp.process_group
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+        self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
+        self.pid_of = {p: i for i, p in enumerate(self.params)}
+        self.device = self.params[0].device
+        self.backend = self.options.resolved_backend(self.device)
+        hooks.check_no_comm_hook(ddp)
+        self.step_counts = StepCounts(len(self.params))
+        self.side = SideStream(self.device)
+        self.iteration = _Iteration()
+        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.reduction = Reduction(self, ddp)
+        self.updates = Updates(self)
+        self.policy = StepPolicy(self)
+        self.iteration_start: list[Callable[[], None]] = []
+        self.forward_start: list[Callable[[torch.nn.Module], None]] = []
+        self.registry = ShardRegistry(
+            self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
+            build_segments=self.backend == "triton", device=self.device, group=self.group,
+            world=self.world, rank=self.rank)
+
+        # backward and step modes: one launch per step and dtype once DDP's buckets are stable
+        self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
+        if self.backend == "triton":
+            self._compile_kernels()
+        self._handles = []
+        self._install()
+
+    def _install(self) -> None:
+        """The mutations, once everything is checked: parameters become views of the flat buffers,
+        then the hooks are registered, the comm hook last (DDP cannot remove it). Should anything
+        fail on the way, the parameters get their own storage back and the hooks are removed."""
+        storages = [p.data for p in self.params]
+        try:
+            self.registry.install_initial_layout(self.ddp.module, self.pid_of)
+            hooks.register(self, self._handles)
+        except BaseException:
+            self.close()
+            for p, data in zip(self.params, storages):
+                p.data = data
+            raise
+
+    @property
+    def layout_changes(self) -> int:
+        return self.registry.layout_changes
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank's reduced gradients held an inf or NaN (reading it waits
+        for the device)."""
+        return int(self.skipped)
+
+    @property
+    def steps(self) -> np.ndarray:
+        """Each parameter's step count (numpy, writable in place), with every update so far counted."""
+        return self.step_counts.settled
+
+    @steps.setter
+    def steps(self, value) -> None:  # ``engine.steps += 1`` (in place on the array, then assigned)
+        self.step_counts.replace(value)
+
+    def shards(self) -> list[BucketShard]:
+        return self.registry.shards()
+
+    def _compile_kernels(self) -> None:
+        """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
+        Triton compiles now and not inside the first backward (tens of ms per variant). On the side
+        stream, under the parameters' device guard, like every launch. Per dtype, before any shard
+        exists: construction compiles before it changes anything."""
+        with self.side.run(follow_current=True):
+            for dtype in {p.dtype for p in self.params}:
+                self._compile_for(dtype)
+
+    def _compile_for(self, dtype: torch.dtype) -> None:
+        one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
+        names = self.algo.state_names() + (["master"] if self.options.keeps_master(dtype) else [])
+        state = {name: one() for name in names}
+        coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
+                                       np.zeros(1, dtype=bool), 1.0).to(self.device)
+        rows = [(0, 1, 0, 0, 0)]
+        segments = Segments.build(rows, self.device)
+        clip = one() if self.max_grad_norm is not None else None
+        scale = one() if self.scaler is not None else None
+        self.algo.update("triton", rows, segments, coefs, UpdateArgs(
+            one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip))
+        self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype), scale)
+
+    # ------------------------------------------------------------------ the comm hook
+
+    def on_bucket(self, bucket) -> torch.futures.Future:
+        """The comm hook: start this bucket's reduction; update the buckets whose turn has come.
+
+        Every collective is issued here, on the autograd thread, or in ``step()``, in bucket order:
+        all ranks then issue the same collectives in the same order, which gloo and NCCL both need
+        (callbacks on communication threads would race). On CUDA, waiting for a reduction is a stream
+        wait, so a bucket is updated as soon as it is handed over; on CPU a wait blocks the host, so a
+        bucket is updated when the next one arrives, and its reduction overlaps the backward between.
+        With ``grad_reduce="all_reduce"`` the returned future is the all-reduce's, as DDP's own
+        ``allreduce_hook`` returns: DDP's ``finalize_backward`` waits for it (a stream wait on CUDA)
+        before it reads the bucket into ``param.grad``, so ``param.grad`` is DDP's average in every
+        overlap mode. Its callback only hands the buffer back; it issues nothing. With
+        ``reduce_scatter`` (gloo's has no future) the future is complete: no rank holds the whole
+        average, and ``param.grad`` is documented as unreduced.
+        """
+        index, buffer = bucket.index(), bucket.buffer()
+        shard = self.registry.cached(index, buffer)
+        if shard is None:  # a bucket not seen before (DDP's first iterations): read it in full
+            pids, offsets = self.registry.read_bucket(bucket, buffer, self.pid_of)
+        if self.iteration.last_invoked:
+            if self.overlap == "step" and self.iteration.ready:
+                raise RuntimeError("a synced backward ran twice without optimizer.step() in between; "
+                                   "with overlap='step' accumulate gradients under ddp.no_sync()")
+            self.iteration = _Iteration()
+        it = self.iteration
+        if it.hparams is None:
+            for start in self.iteration_start:  # before this iteration's first collective
+                start()
+            self.side.join()
+            it.hparams = self._read_hparams()
+        if shard is None:
+            shard = self.registry.shard_for(index, pids, offsets, buffer)
+        with range_push("fused_zero.reduce"):
+            reduced = self.reduction.start(shard, buffer)
+        shard.reduced_buffer = buffer
+        it.ready.append(reduced)
+        it.invoked += 1
+        it.last_invoked = bucket.is_last()
+        if it.found_inf is None:
+            it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if it.last_invoked:
+            self.policy.watch.arm()
+            if self.scaler is not None and self.scaler.enabled:
+                if self.overlap == "backward":
+                    it.grad_scale = self.scaler.scale()
+                self.scaler.prepare(it.found_inf)
+        if self.overlap == "bucket":
+            keep = 0 if (it.last_invoked or self.side.stream is not None) else 1
+            self.updates.finish(it, len(it.ready) - keep)
+        elif self.overlap == "backward" and it.last_invoked:
+            self.updates.finish(it, len(it.ready), self.max_grad_norm)
+        if self.grad_reduce == "all_reduce" and self.world > 1:
+            return reduced.works[-1].get_future().then(lambda _: buffer)
+        return shard.completed(buffer)
+
+    def _read_hparams(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+
+    # ------------------------------------------------------------------ user-facing
+
+    def step(self, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> None:
+        """End the iteration. ``via_scaler``: called by ``GradScaler.step()``, which passes the loss
+        scale the gradients still carry (None after the user's ``scaler.unscale_``)."""
+        it = self.iteration
+        if it.invoked == 0:
+            raise RuntimeError("optimizer.step() found no reduced gradients since the last step: run a "
+                               "backward outside ddp.no_sync() (with require_backward_grad_sync=True) "
+                               "before stepping")
+        if not it.last_invoked:
+            raise RuntimeError("optimizer.step() called while DDP is still reducing gradients")
+        self.policy.check_scaler_use(via_scaler)
+        edited, honored = self.policy.edits(via_scaler, grad_scale)
+        if self.overlap == "step":  # the updates run now: hyperparameters as they are now
+            it.hparams, it.coefs = self._read_hparams(), None
+            if self.scaler is not None and self.scaler.enabled:
+                it.grad_scale = None if grad_scale is None else grad_scale.reshape(1)
+            it.edited = bool(edited)
+            self.updates.finish(it, len(it.ready), self.max_grad_norm, follow=honored or it.grad_scale is not None)
+            edited_anywhere = it.edited
+        else:
+            edited_anywhere = self.policy.any_rank(bool(edited))
+        if self.scaler is not None and self.scaler.enabled:
+            self.scaler.publish(it.found_inf)
+        self.skipped += it.found_inf.to(torch.int64).reshape(())
+        if self.single is not None and self.single.step_ended():
+            self.synchronize()  # nothing may be pending on the shards while they move
+            self.single.pack()
+            with self.side.run(follow_current=True):  # later updates after the moves
+                pass
+        self.reduction.end_step()
+        self.iteration = _Iteration()
+        if self.param_sync == "step":
+            self.synchronize()
+        else:
+            # the compute stream follows the updates (not the all-gathers): whatever runs before the
+            # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
+            # it rebuilds them, must not overwrite what an update still reads
+            self.side.join_updates()
+        if edited_anywhere:
+            self.policy.refuse_edit()
+        # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
+        if self.on_nonfinite == "raise" and self.scaler is None and bool(it.found_inf):
+            raise FloatingPointError(
+                "the reduced gradients hold an inf or NaN on some rank; the step was skipped on every rank "
+                "(on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts skipped_steps)")
+
+    def synchronize(self) -> None:
+        """Wait for every pending all-gather: parameters are up to date for any reader after this."""
+        for shard in self.shards():
+            shard.wait_gather()
+        self.side.join()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,116 @@
+"""Everything fused_zero registers on the user's modules: DDP's comm hook, the forward pre-hooks that
+wait for the all-gathers, the state_dict pre-hook and, where DDP may skip parameters, the hooks that
+record which parameters got a gradient on this rank.
+
+Which parameters a module's forward pre-hook waits for (with ``param_sync="forward"``): those its
+forward can reach, i.e. every parameter of its subtree. Modules read their children's parameters
+without calling the children: ``nn.MultiheadAttention`` reads ``out_proj.weight``, and
+``nn.TransformerEncoderLayer``'s fast path reads every weight of its children. Two kinds of module wait
+for their own parameters only, since waiting for their subtree would wait for most of the model
+before its first layer runs (which is what ``param_sync="step"`` does):
+
+- plain containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``), whose forward, if any,
+  only calls the children, and each child waits for itself;
+- the module DDP wraps, when it is the user's own class: its forward is the model's top level, which
+  calls its submodules (each of which waits). Reading a submodule's parameter there before that
+  submodule has run in the same forward is the one case left to the user (``synchronize()``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .profiling import range_push
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+"""Modules whose forward only calls their children: they wait for their own parameters only."""
+
+
+def check_no_comm_hook(ddp) -> None:
+    """Refuse a DDP module that already has a comm hook (Python or built-in), before anything is
+    changed: DDP accepts one comm hook and cannot remove it."""
+    logged = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
+    if getattr(ddp, "_comm_hooks", None) or logged:
+        raise RuntimeError(
+            f"this DDP module already has a comm hook ({logged or 'registered with register_comm_hook'}); "
+            "fused_zero registers its own to update each bucket as it is reduced. Build the DDP without "
+            "register_comm_hook, or build one fused_zero optimizer per DDP")
+
+
+def register(engine, handles: list) -> None:
+    """Register every hook of ``engine``, appending the removable handles to ``handles`` as they are
+    made (so that a failure midway can remove those already there); DDP's comm hook, which cannot be
+    removed, comes last."""
+    ddp = engine.ddp
+    root = ddp.module
+    for module in root.modules():
+        pids = sorted({engine.pid_of[p] for p in reach(module, root) if p in engine.pid_of})
+        if pids or module is root:
+            handles.append(module.register_forward_pre_hook(ForwardWait(engine, pids, module is root)))
+    handles.append(root.register_forward_pre_hook(ForwardStart(engine)))
+    # model.state_dict() reads the parameters: give it their updated values
+    handles.append(root.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
+    if engine.reduction.track_used:
+        for pid, p in enumerate(engine.params):
+            handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
+    try:
+        ddp.register_comm_hook(engine, _comm_hook)
+    except RuntimeError:
+        # DDP records the refused hook before its reducer refuses it: drop it, and with it the engine
+        recorded = getattr(ddp, "_comm_hooks", [])
+        if recorded and recorded[-1][1] is engine:
+            recorded.pop()
+        raise
+
+
+def reach(module: nn.Module, root: nn.Module):
+    """The parameters ``module``'s forward may read, as far as fused_zero can tell (module docstring)."""
+    own_only = isinstance(module, CONTAINERS) or (module is root and not _from_torch_nn(module))
+    return module.parameters(recurse=not own_only)
+
+
+def _from_torch_nn(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.")
+
+
+def _comm_hook(engine, bucket):
+    return engine.on_bucket(bucket)
+
+
+class ForwardWait:
+    """Forward pre-hook: wait for the gathers of the buckets holding the parameters this module's
+    forward can reach (``reach``); the root also orders the compute stream after the side stream."""
+
+    def __init__(self, engine, pids: list[int], root: bool):
+        self.engine, self.pids, self.root = engine, pids, root
+
+    def __call__(self, module, args):
+        if self.root:
+            self.engine.side.join()
+        where = self.engine.registry.where
+        for pid in self.pids:
+            shard = where[pid][0]
+            if shard.gather is not None:
+                with range_push("fused_zero.forward_wait"):
+                    shard.wait_gather()
+
+
+class ForwardStart:
+    """Forward pre-hook of the DDP's module: runs the engine's ``forward_start`` callables."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, module, args):
+        for start in self.engine.forward_start:
+            start(module)
+
+
+class MarkUsed:
+    """Post-accumulate-grad hook: this rank produced a gradient for the parameter."""
+
+    def __init__(self, engine, pid: int):
+        self.engine, self.pid = engine, pid
+
+    def __call__(self, param):
+        self.engine.reduction.used_local[self.pid] = True

@@ -1,0 +1,96 @@
+"""What ``step()`` does with what the user did between the backward and the step: edits of ``param.grad``
+(``clip_grad_norm_``, ``scaler.unscale_``, any in-place change) and the way the step was called (through
+a GradScaler or not).
+
+The rule: an edit is honored where the update reads ``param.grad`` at ``step()`` (``overlap="step"``
+with ``grad_reduce="all_reduce"``: the reduced bucket is what ``param.grad`` views); everywhere else
+the update reads its own reduced slices (or already ran in the backward), so an edit would be lost,
+and is refused on every rank with an error that names the option doing the same job
+(``max_grad_norm``). In step mode the refused step is also skipped on every rank, since the update
+has not run yet; in the other modes it ran without the edit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .grad_watch import GradWatch
+
+
+class StepPolicy:
+    def __init__(self, engine):
+        self.engine = engine
+        self.watch = GradWatch(engine.params)
+
+    def check_scaler_use(self, via_scaler: bool) -> None:
+        """A GradScaler steps this optimizer if and only if it was given one."""
+        scaler, overlap = self.engine.scaler, self.engine.overlap
+        linked = scaler is not None and scaler.enabled
+        if via_scaler and not linked:
+            if overlap == "bucket":
+                raise RuntimeError("torch.amp.GradScaler needs overlap='step' or overlap='backward' (with "
+                                   "overlap='bucket' a bucket is updated before later buckets' overflow "
+                                   "check is known); build the optimizer with one of them and grad_scaler=scaler")
+            raise RuntimeError("scaler.step(optimizer) with a fused_zero optimizer that was not given the "
+                               "scaler: build it with grad_scaler=scaler (the loss scale must be known when "
+                               "the gradients are reduced)")
+        if linked and not via_scaler:
+            raise RuntimeError("this optimizer was built with grad_scaler=scaler: step it through "
+                               "scaler.step(optimizer), then scaler.update()")
+
+    def edits(self, via_scaler: bool, grad_scale: torch.Tensor | None) -> tuple[list[int], bool]:
+        """The parameters whose ``.grad`` the user changed since the backward, and whether the update
+        honors the change. Honored edits are written back into the reduced buckets; the list returned
+        is then empty."""
+        e = self.engine
+        edited = self.watch.edited()
+        self.watch.clear()
+        if via_scaler and grad_scale is None and e.overlap == "step" and e.scaler is not None:
+            # the user's scaler.unscale_(opt) divided param.grad in place, with a fused op that leaves
+            # the version counters as they were: every gradient counts as edited
+            edited = sorted(set(edited) | {i for i, p in enumerate(e.params) if p.grad is not None})
+        honored = bool(edited) and e.overlap == "step" and e.grad_reduce == "all_reduce"
+        if honored:
+            self._write_back(edited)  # this mode reads param.grad's values: the edit is honored
+            edited = []
+        return edited, honored
+
+    def _write_back(self, pids: list[int]) -> None:
+        """Make the reduced buckets hold the user's edited ``param.grad`` (with gradient_as_bucket_view
+        the edit is there already, unless ``.grad`` was replaced by another tensor)."""
+        e = self.engine
+        buffers = {id(item.shard): item.shard.reduced_buffer for item in e.iteration.ready}
+        for pid in pids:
+            shard, local = e.registry.where[pid]
+            g = e.params[pid].grad
+            if g is None:
+                raise RuntimeError(f"param.grad of parameter {pid} was set to None between backward and step()")
+            off, n = shard.layout.offsets[local], shard.layout.numels[local]
+            view = buffers[id(shard)][off:off + n]
+            if view.data_ptr() != g.data_ptr():
+                view.copy_(g.reshape(-1))
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank. On CPU an all-reduce (a host value anyway); on CUDA
+        reading it back would synchronize the host, so there each rank answers for itself."""
+        e = self.engine
+        if e.world == 1 or e.device.type != "cpu":
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, group=e.group, async_op=True).wait()
+        return bool(t[0] > 0)
+
+    def refuse_edit(self) -> None:
+        """Raise for an edit that the update could not honor (on every rank that learned of it)."""
+        e = self.engine
+        raise RuntimeError(
+            "param.grad was changed between backward and optimizer.step() (torch.nn.utils."
+            "clip_grad_norm_, scaler.unscale_, or another in-place edit), but with overlap="
+            f"{e.overlap!r} and grad_reduce={e.grad_reduce!r} the update does not read param.grad"
+            + (" (it ran during the backward)" if e.overlap != "step" else "")
+            + ". Pass max_grad_norm=... to the optimizer instead of clipping (it clips by the same "
+            "global norm, inside the update; no scaler.unscale_ needed either), or use "
+            "overlap='step' with grad_reduce='all_reduce', which reads param.grad at step(). "
+            + ("This step was skipped on every rank." if e.overlap == "step" else
+               "This step was applied without the edit."))

@@ -1,0 +1,175 @@
+"""The second and third stages of a bucket's pipeline: once its reduction is waited for, the fused
+update of this rank's region (after the overflow / norm pass, which may skip it on every rank), then
+the all-gather of the updated slices into the flat parameter buffer.
+
+One launch per bucket, or, once the shards sit in arenas (overlap modes ``backward`` and ``step``, see
+arena.py), one per dtype over all of them; the checks, the updates and the bookkeeping are the same
+for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..update.algorithms import UpdateArgs, clip_coefficient
+from .collectives import all_gather
+from .profiling import range_push
+from .reduction import Reduced, UsedFlags
+from .shard import BucketShard
+from .step_counts import Pending
+
+
+@dataclass
+class Unit:
+    """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets it
+    updates with their device-side used flags (or None)."""
+
+    rows: list
+    segments: object
+    norm_rows: list
+    norm_segments: object
+    table: torch.Tensor
+    grad: object
+    param: torch.Tensor
+    state: dict
+    items: list
+
+
+class Updates:
+    """Runs the updates of ready buckets for the engine (``finish``) and starts their all-gathers."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.group, self.world, self.rank = engine.group, engine.world, engine.rank
+
+
+    @property
+    def side(self):
+        """The engine's side stream (read each time: tests swap in a recording one)."""
+        return self.engine.side
+    def finish(self, it, count: int, max_norm: float | None = None, follow: bool = False) -> None:
+        """Wait for the first ``count`` ready reductions of iteration ``it`` and update those buckets.
+
+        On CUDA the waits are made by the side stream, so the backward's own stream never waits
+        for communication. ``follow``: the side stream also waits for the current stream (the update
+        reads something queued there after the backward: the user's edit of ``.grad``, GradScaler's
+        scale tensor).
+        """
+        todo, it.ready = it.ready[:count], it.ready[count:]
+        if not todo:
+            return
+        with self.side.run(follow_current=self.world == 1 or follow):
+            for item in todo:
+                for w in item.works:
+                    w.wait()
+            self._update(it, todo, max_norm)
+
+    def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
+        """Every parameter's update scalars for this step, one row per parameter (host float32)."""
+        e = self.engine
+        return e.algo.coefficients(hparams, e.group_of, e.step_counts.settled + active, active, e.reduction.grad_div)
+
+    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> tuple[torch.Tensor, tuple | None]:
+        """The table a bucket's update reads: the iteration's shared one (every row active), with this
+        bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
+        the host knows that some parameter of the bucket got no gradient. With device flags, also the
+        started host copy of them (for the step counts)."""
+        n = len(self.engine.params)
+        if it.coefs is None:  # the iteration's first table, before any of its updates
+            self.engine.step_counts.settle()
+            it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(n)))
+        if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
+            pids, used = active.table[0], active.table[1]
+            it.coefs[:, 0].index_copy_(0, pids, (used > 0).to(it.coefs.dtype))
+            return it.coefs, self.side.download(used)
+        if active.all():
+            return it.coefs, None
+        mask = np.ones(n)
+        mask[shard.pids] = active
+        return self.side.upload(self._coefficient_table(it.hparams, mask)), None
+
+    def _update(self, it, items: list[Reduced], max_norm: float | None = None) -> None:
+        """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
+        is written, on every rank, and their step counts stay)."""
+        e = self.engine
+        coefs, used = zip(*(self._coefs_for(it, item.shard, item.active) for item in items))
+        for item in items:
+            item.shard.wait_gather()
+        units = self._launch_units(it, items, coefs, used)
+        found, clip = self._check(it, units, max_norm)
+        torch.maximum(it.found_inf, found, out=it.found_inf)
+        skipped = self.side.download(found)  # read at the next iteration: the kernels read ``found``
+        for unit in units:
+            with range_push("fused_zero.update"):
+                e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
+                    unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
+                    clip_coef=clip))
+            self.side.mark_updated()
+            for item, flags in unit.items:
+                shard = item.shard
+                shard.reduced_buffer = None
+                e.step_counts.add(Pending(shard.pids, None if flags is not None else item.active, flags, skipped))
+                self._start_gather(shard)  # a skipped update gathers the unchanged parameters
+
+    def _launch_units(self, it, items: list[Reduced], coefs: tuple, used: tuple) -> list[Unit]:
+        """The launches that update ``items``: one per dtype when the arenas hold exactly these shards
+        and one coefficient table serves them all, else one per bucket."""
+        single = self.engine.single
+        launches = single.for_step([item.shard for item in items]) if single else None
+        table = self._one_table(it, items, coefs) if launches is not None else None
+        if table is None:
+            return [Unit(s.rows, s.segments, s.norm_rows, s.norm_segments, t, s.reduced_buffer, s.param_buffer,
+                         s.state, [(item, flags)])
+                    for item, t, flags, s in zip(items, coefs, used, (item.shard for item in items))]
+        return [Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
+                     launch.grad(buffers), launch.arena.params, launch.arena.state,
+                     [(item, flags) for item, flags in zip(items, used)
+                      if item.shard.param_buffer.dtype == launch.arena.params.dtype])
+                for launch, buffers in launches]
+
+    def _one_table(self, it, items: list[Reduced], coefs: tuple) -> torch.Tensor | None:
+        """One coefficient table for every bucket of the step (a parameter is in one bucket only): the
+        iteration's shared one, or one built from the host's flags where some parameter is known to
+        have no gradient; None where neither fits (then one launch per bucket)."""
+        if all(t is coefs[0] for t in coefs):
+            return coefs[0]
+        if any(isinstance(item.active, UsedFlags) for item in items):
+            return None
+        mask = np.ones(len(self.engine.params))
+        for item in items:
+            mask[item.shard.pids] = item.active
+        return self.side.upload(self._coefficient_table(it.hparams, mask))
+
+    def _check(self, it, units: list[Unit], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the
+        sum of squares and the count of non-finite values, all-reduced with this rank's edit flag in
+        one collective. Returns the skip flag and, with ``max_norm``, the clip coefficient (device
+        tensors: no host sync)."""
+        e = self.engine
+        stats = torch.zeros(3, dtype=torch.float32, device=e.device)
+        for unit in units:
+            sumsq, bad = e.algo.grad_sumsq(e.backend, unit.norm_rows, unit.norm_segments, unit.table,
+                                           unit.grad, it.grad_scale)
+            stats[0] += sumsq
+            stats[1] += bad
+        stats[2] = float(it.edited)
+        if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
+            dist.all_reduce(stats, group=self.group, async_op=True).wait()
+        found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
+        it.edited = bool(stats[2] > 0) if e.device.type == "cpu" else it.edited
+        clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
+        return found, clip
+
+    def _start_gather(self, shard: BucketShard) -> None:
+        layout = shard.layout
+        if self.world == 1 or layout.shard == 0:
+            return
+        lo, hi = layout.slice_of(self.rank)
+        with range_push("fused_zero.all_gather"):
+            shard.gather = all_gather(
+                shard.param_buffer[:layout.head], shard.param_buffer[lo:hi], group=self.group,
+                async_op=True)

@@ -1,0 +1,155 @@
+"""What differs between Adam(W) and SGD: state names, hyperparameter checks, per-parameter scalars and
+the update itself, on either implementation (the Triton kernels, or torch's own ops on CPU).
+
+Everything else (buckets, shards, communication) is shared and lives in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels import adam_coefficients, adam_step, grad_sumsq, sgd_coefficients, sgd_step
+from . import torch_ops
+
+
+@dataclass
+class UpdateArgs:
+    """The buffers of one launch (see kernels.adam_step for their meaning)."""
+
+    grad: torch.Tensor
+    param: torch.Tensor
+    state: dict[str, torch.Tensor]  # region-shaped fp32: the algorithm's state and maybe "master"
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
+
+
+class Algorithm:
+    """Base: subclasses define ``state_names``, ``check_group``, ``coefficients`` and ``_launch``."""
+
+    uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
+
+    def __init__(self, param_groups: list[dict]):
+        self.refresh(param_groups)
+
+    def refresh(self, param_groups: list[dict]) -> None:
+        """Check the groups' hyperparameters and read the kernel's compile-time flags from them."""
+        for i, group in enumerate(param_groups):
+            self.check_group(group, i)
+        for key in self.uniform_keys:
+            values = {bool(g[key]) for g in param_groups}
+            if len(values) > 1:
+                raise ValueError(f"{key} must be the same in every param group (it is a compile-time "
+                                 f"flag of the fused kernel); got {sorted(values)}")
+        self.flags = {key: bool(param_groups[0][key]) for key in self.uniform_keys}
+
+    def state_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def update(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
+        if backend == "triton":
+            self._launch(segments, coefs, args)
+        else:
+            torch_ops.apply(self.kind, rows, coefs, args, **self.flags)
+
+    def grad_sumsq(self, backend: str, rows: list, segments, coefs: torch.Tensor, grad: torch.Tensor,
+                   grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if backend == "triton":
+            return grad_sumsq(segments, coefs, grad=grad, grad_scale=grad_scale)
+        return torch_ops.grad_sumsq(rows, coefs, grad, grad_scale)
+
+
+def _check_nonneg(group: dict, i: int, key: str) -> None:
+    value = group[key]
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"param group {i}: {key} as a Tensor is not supported; pass a float")
+    if not 0.0 <= value:
+        raise ValueError(f"Invalid {key} in param group {i}: {value} (must be >= 0)")
+
+
+class AdamFamily(Algorithm):
+    kind = "adam"
+    uniform_keys = ("amsgrad", "maximize")
+
+    def __init__(self, param_groups, *, decoupled_default: bool):
+        self.decoupled_default = decoupled_default
+        super().__init__(param_groups)
+
+    def check_group(self, group: dict, i: int) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            _check_nonneg(group, i, key)
+        for j, beta in enumerate(group["betas"]):
+            if isinstance(beta, torch.Tensor) or not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {j} in param group {i}: {beta}")
+
+    def state_names(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.flags["amsgrad"] else [])
+
+    def coefficients(self, groups: list[dict], group_idx: np.ndarray, step: np.ndarray,
+                     active: np.ndarray, grad_div: float) -> torch.Tensor:
+        pick = _per_param(groups, group_idx)
+        return adam_coefficients(
+            lr=pick(lambda g: g["lr"]), beta1=pick(lambda g: g["betas"][0]), beta2=pick(lambda g: g["betas"][1]),
+            eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=step,
+            decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
+            grad_div=grad_div, active=active)
+
+    def _launch(self, segments, coefs, a: UpdateArgs) -> None:
+        adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
+                  exp_avg_sq=a.state["exp_avg_sq"], master=a.state.get("master"),
+                  max_exp_avg_sq=a.state.get("max_exp_avg_sq"), maximize=self.flags["maximize"],
+                  grad_scale=a.grad_scale, found_inf=a.found_inf, clip_coef=a.clip_coef)
+
+
+class SGDAlgorithm(Algorithm):
+    kind = "sgd"
+    uniform_keys = ("nesterov", "maximize")
+
+    def check_group(self, group: dict, i: int) -> None:
+        for key in ("lr", "momentum", "weight_decay"):
+            _check_nonneg(group, i, key)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"param group {i}: Nesterov momentum requires a momentum and zero dampening")
+
+    def refresh(self, param_groups):
+        super().refresh(param_groups)
+        self.has_momentum = any(g["momentum"] != 0 for g in param_groups)
+
+    def state_names(self) -> list[str]:
+        return ["momentum_buffer"] if self.has_momentum else []
+
+    def coefficients(self, groups, group_idx, step, active, grad_div) -> torch.Tensor:
+        pick = _per_param(groups, group_idx)
+        momentum = pick(lambda g: g["momentum"])
+        # torch creates the buffer from the gradient on a parameter's first step; a group without
+        # momentum "creates" it every step, which makes the update plain SGD
+        first = (step <= 1) | (momentum == 0)
+        return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=momentum,
+                                dampening=pick(lambda g: g["dampening"]),
+                                weight_decay=pick(lambda g: g["weight_decay"]), first=first, grad_div=grad_div,
+                                active=active)
+
+    def _launch(self, segments, coefs, a: UpdateArgs) -> None:
+        sgd_step(segments, coefs, grad=a.grad, param=a.param, momentum_buffer=a.state.get("momentum_buffer"),
+                 master=a.state.get("master"), nesterov=self.flags["nesterov"],
+                 maximize=self.flags["maximize"], grad_scale=a.grad_scale, found_inf=a.found_inf,
+                 clip_coef=a.clip_coef)
+
+
+def _per_param(groups: list[dict], group_idx: np.ndarray):
+    """``pick(f)``: ``f`` of each parameter's group, as a float64 array (one Python call per group)."""
+    def pick(f):
+        return np.array([float(f(g)) for g in groups], dtype=np.float64)[group_idx]
+    return pick
+
+
+def clip_coefficient(total_sumsq: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor, on the device: min(1, max_norm / (norm + 1e-6))."""
+    norm = total_sumsq.sqrt()
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(1)
+
+
+__all__ = ["AdamFamily", "SGDAlgorithm", "UpdateArgs", "clip_coefficient"]

@@ -1,0 +1,131 @@
+"""The update of the Triton kernels written with torch's own CPU ops, one call per row.
+
+This is the fast path for CPU tensors (the Triton interpreter is a correctness tool, hundreds of times
+slower). It reads the same rows and the same float32 coefficient table, and calls the very ops
+torch.optim's single-tensor implementations call, with the same Python scalars, so its results are
+the ones torch.optim computes, element for element.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import ADAM_COEFS, SGD_COEFS
+
+_ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
+_SGD = {name: i for i, name in enumerate(SGD_COEFS)}
+
+
+def _grad(args, go: int, n: int, grad_div: float, maximize: bool) -> torch.Tensor:
+    g = args.grad[go:go + n].to(torch.float32, copy=True)
+    if grad_div != 1.0:
+        g.div_(grad_div)
+    if args.grad_scale is not None:
+        g.div_(args.grad_scale.to(torch.float32))
+    if args.clip_coef is not None:
+        g.mul_(args.clip_coef.to(torch.float32))
+    return g.neg_() if maximize else g
+
+
+def merged_runs(rows, table: list[list[float]]):
+    """Rows back to back in all three buffers with equal coefficients, merged into one run each.
+
+    A region holds its parameters back to back, so a bucket whose parameters share a param group and
+    a step count is a handful of runs: the per-op cost is paid per run, not per parameter. Elementwise
+    results do not depend on where a run is cut.
+    """
+    runs = []
+    for so, n, po, go, pid in rows:
+        if runs:
+            rso, rn, rpo, rgo, rpid = runs[-1]
+            if so == rso + rn and po == rpo + rn and go == rgo + rn and table[pid] == table[rpid]:
+                runs[-1] = (rso, rn + n, rpo, rgo, rpid)
+                continue
+        runs.append((so, n, po, go, pid))
+    return runs
+
+
+def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
+          nesterov: bool = False) -> None:
+    if args.found_inf is not None and float(args.found_inf) != 0.0:
+        return
+    table = coefs.tolist()
+    master = args.state.get("master")
+    for so, n, po, go, pid in merged_runs(rows, table):
+        c = table[pid]
+        if c[0] == 0.0:  # inactive: no gradient this step
+            continue
+        if master is not None:
+            p = master[so:so + n]
+        elif args.param.dtype == torch.float32:
+            p = args.param[po:po + n]
+        else:
+            p = args.param[po:po + n].float()
+        if kind == "adam":
+            _adam_row(args, c, p, so, n, go, maximize, amsgrad)
+        else:
+            _sgd_row(args, c, p, so, n, go, maximize, nesterov)
+        if master is not None or args.param.dtype != torch.float32:
+            args.param[po:po + n].copy_(p)
+
+
+def _adam_row(args, c, p, so, n, go, maximize, amsgrad):
+    g = _grad(args, go, n, c[_ADAM["grad_div"]], maximize)
+    m = args.state["exp_avg"][so:so + n]
+    v = args.state["exp_avg_sq"][so:so + n]
+    if c[_ADAM["decay_mul"]] != 1.0:
+        p.mul_(c[_ADAM["decay_mul"]])
+    if c[_ADAM["l2"]] != 0.0:
+        g = g.add(p, alpha=c[_ADAM["l2"]])
+    m.lerp_(g, c[_ADAM["lerp_w"]])
+    v.mul_(c[_ADAM["beta2"]]).addcmul_(g, g, value=c[_ADAM["one_minus_beta2"]])
+    if amsgrad:
+        vmax = args.state["max_exp_avg_sq"][so:so + n]
+        torch.maximum(vmax, v, out=vmax)
+        denom = (vmax.sqrt() / c[_ADAM["bc2_sqrt"]]).add_(c[_ADAM["eps"]])
+    else:
+        denom = (v.sqrt() / c[_ADAM["bc2_sqrt"]]).add_(c[_ADAM["eps"]])
+    p.addcdiv_(m, denom, value=c[_ADAM["neg_step_size"]])
+
+
+def _sgd_row(args, c, p, so, n, go, maximize, nesterov):
+    g = _grad(args, go, n, c[_SGD["grad_div"]], maximize)
+    if c[_SGD["weight_decay"]] != 0.0:
+        g = g.add(p, alpha=c[_SGD["weight_decay"]])
+    buf_all = args.state.get("momentum_buffer")
+    if buf_all is not None:
+        buf = buf_all[so:so + n]
+        if c[_SGD["first"]] != 0.0:
+            buf.copy_(g)
+        else:
+            buf.mul_(c[_SGD["momentum"]]).add_(g, alpha=c[_SGD["one_minus_dampening"]])
+        g = g.add(buf, alpha=c[_SGD["momentum"]]) if nesterov else buf
+    p.add_(g, alpha=c[_SGD["neg_lr"]])
+
+
+def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None):
+    """Same contract as kernels.grad_sumsq.
+
+    Every step runs this (the non-finite check), so the common case is one vectorized norm per run
+    (about the cost of a copy); only when some norm is not finite does it count element by element,
+    telling infs and NaNs apart from finite values whose squares overflow fp32.
+    """
+    table = coefs.tolist()
+    runs = [r for r in merged_runs(rows, table) if table[r[4]][0] != 0.0]
+    if not runs:
+        return torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+    norms = torch.stack([torch.linalg.vector_norm(grad[go:go + n], dtype=torch.float32) for _, n, _, go, _ in runs])
+    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32)
+    if bool(torch.isfinite(norms).all()):
+        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32)
+    sumsq = torch.zeros((), dtype=torch.float32)
+    bad = torch.zeros((), dtype=torch.float32)
+    for _, n, _, go, pid in runs:
+        g = grad[go:go + n].float() / table[pid][1]
+        if grad_scale is not None:
+            g = g / grad_scale.float()
+        finite = g.isfinite()
+        sumsq += torch.where(finite, g * g, 0.0).sum()
+        bad += (~finite).sum()
+    return sumsq, bad

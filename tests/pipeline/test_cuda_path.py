@@ -1,0 +1,248 @@
+"""Defects of the CUDA path that a CPU can show: what the comm hook hands back to DDP, the device guard
+and priority of the side stream, collectives that block the host, the dtype of the resharding buffers,
+and amsgrad on a NaN gradient. The GPU side (stream ordering on a device) is in tests/gpu/.
+
+The multi-rank checks share one 2-rank spawn; each returns None or what went wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from fused_zero.kernels import Segments, adam_coefficients, adam_step
+from scenarios import VOCAB, Case, OddNet, batch, run_case
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_zero
+import fused_zero.pipeline.engine
+from fused_zero.pipeline.streams import SideStream
+
+OVERLAPS = ("bucket", "backward", "step")
+
+
+def _models(as_view: bool, find_unused: bool = False):
+    torch.manual_seed(1234)
+    model, ref = OddNet(), OddNet()
+    ref.load_state_dict(model.state_dict())
+    if not find_unused:
+        for m in (model, ref):
+            m.never.requires_grad_(False)
+    kw = dict(bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+    return model, DDP(model, **kw), ref, DDP(ref, **kw)
+
+
+def _loss(ddp, step, rank, use_branch=True):
+    x, y = batch(step, 0, rank)
+    return F.cross_entropy(ddp(x, use_branch=use_branch).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def check_all_reduce_grad_is_ddps(rank, world):
+    """a: with grad_reduce="all_reduce", param.grad as backward returns is DDP's averaged gradient.
+    Rank 1 starts its backward late, so rank 0's all-reduces cannot have completed when its backward
+    returns unless DDP waited for them; a completed future would let rank 0 read half its own gradient.
+    """
+    for overlap in OVERLAPS:
+        for as_view in (True, False):
+            model, ddp, ref, ref_ddp = _models(as_view)
+            opt = fused_zero.SGD(ddp.parameters(), lr=0.05, momentum=0.9, ddp=ddp, overlap=overlap,
+                                 grad_reduce="all_reduce")
+            ref_opt = torch.optim.SGD(ref_ddp.parameters(), lr=0.05, momentum=0.9, foreach=False)
+            for step in range(1, 4):  # the second crosses DDP's bucket rebuild
+                _loss(ref_ddp, step, rank).backward()
+                expected = [p.grad.clone() for p in ref.parameters() if p.grad is not None]
+                if rank == 1:
+                    time.sleep(0.15)
+                _loss(ddp, step, rank).backward()
+                got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                where = f"overlap={overlap} as_view={as_view} step {step}"
+                for i, (a, b) in enumerate(zip(got, expected)):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9,
+                                               msg=lambda m, i=i, where=where: f"{where} grad {i}: {m}")
+                ref_opt.step()
+                ref_opt.zero_grad()
+                opt.step()
+                opt.zero_grad()
+            opt._engine.close()
+
+
+def check_find_unused_issues_no_blocking_collective(rank, world):
+    """d: with find_unused_parameters, the hook all-reduces the used flags asynchronously (a blocking
+    all-reduce is a host sync on CUDA, per bucket), and the step counts still follow torch.optim's."""
+    calls = []
+    real = fused_zero.pipeline.engine.dist.all_reduce
+
+    def recording(*args, **kw):
+        calls.append(bool(kw.get("async_op", False)))
+        return real(*args, **kw)
+
+    fused_zero.pipeline.engine.dist.all_reduce = recording
+    try:
+        out = run_case(Case(graph="find_unused", bucket_cap_mb=0.0001, steps=6), rank, world)
+    finally:
+        fused_zero.pipeline.engine.dist.all_reduce = real
+    assert calls, "no all-reduce of the used flags was issued"
+    assert all(calls), f"{calls.count(False)} of {len(calls)} all-reduces from the hook block the host"
+    assert out["worst"] < 1e-4, out
+
+
+def check_reshard_under_float64_default(rank, world):
+    """f: resharding under torch.set_default_dtype(torch.float64) moves float32 state."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = run_case(Case(bucket_cap_mb=0.0001, steps=4), rank, world)
+    finally:
+        torch.set_default_dtype(old)
+    assert out["layout_changes"] > 0, "no resharding happened: the check proves nothing"
+    assert out["worst"] < 1e-4, out
+
+
+class GuardRecorder(SideStream):
+    """A CPU SideStream that records whether code runs inside ``run()``, the device guard."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def run(self, follow_current: bool):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+def check_every_launch_under_the_guard(rank, world):
+    """c (engine side): every update and norm launch, kernel warm-up included, runs inside
+    ``SideStream.run``, which enters the parameters' device guard (test_side_stream_guard_and_priority)."""
+    outside = []
+    for overlap in OVERLAPS:
+        model, ddp, ref, ref_ddp = _models(as_view=True)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, backend="torch",
+                               max_grad_norm=1.0 if overlap == "step" else None)
+        engine = opt._engine
+        engine.side = GuardRecorder(engine.device)
+        for name in ("update", "grad_sumsq"):
+            real = getattr(engine.algo, name)
+
+            def wrapped(*args, _real=real, _name=name, _side=engine.side, _overlap=overlap, **kw):
+                if _side.depth == 0:
+                    outside.append((_overlap, _name, args[0]))
+                return _real(*args, **kw)
+
+            setattr(engine.algo, name, wrapped)
+        engine._compile_kernels()  # the warm-up launches (Triton, through the interpreter here)
+        for step in range(1, 3):
+            _loss(ddp, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.close()
+    assert not outside, f"launches outside the device guard: {outside}"
+
+
+CHECKS = [check_all_reduce_grad_is_ddps, check_find_unused_issues_no_blocking_collective,
+          check_reshard_under_float64_default, check_every_launch_under_the_guard]
+
+
+def run_checks(rank, world):
+    out = {}
+    for check in CHECKS:
+        try:
+            check(rank, world)
+            out[check.__name__] = None
+        except Exception:
+            out[check.__name__] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(run_checks, 2)
+
+
+@pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
+def test_two_ranks(two_ranks, name):
+    for rank, results in enumerate(two_ranks):
+        assert results[name] is None, f"rank {rank}:\n{results[name]}"
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda to build a SideStream for cuda:1 on a machine without CUDA."""
+
+    def __init__(self):
+        self.streams, self.guards, self.entered = [], [], []
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Stream:
+            @staticmethod
+            def priority_range():
+                return (0, -5)
+
+            def __init__(self, device=None, priority=0):
+                fake.streams.append((device, priority))
+
+            def wait_stream(self, other):
+                pass
+
+        @contextlib.contextmanager
+        def device(d):
+            fake.guards.append(torch.device(d))
+            yield
+
+        @contextlib.contextmanager
+        def stream(s):
+            fake.entered.append(s)
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+
+
+def test_side_stream_guard_and_priority(monkeypatch):
+    """c and g: the side stream of cuda:1 is created there with the highest priority the device offers,
+    and everything queued on it runs under cuda:1's device guard, whatever the current device is. With
+    check_every_launch_under_the_guard this proves every launch is guarded; the GPU tests run it."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    side = SideStream(torch.device("cuda", 1))
+    assert fake.streams[0] == (torch.device("cuda", 1), -5), fake.streams
+    with side.run(follow_current=True):
+        assert fake.guards == [torch.device("cuda", 1)], fake.guards
+        assert fake.entered == [side.stream]
+
+
+def test_amsgrad_keeps_a_nan_like_torch():
+    """e: torch.maximum propagates NaN into max_exp_avg_sq; the kernel must keep it too."""
+    n = 37
+    torch.manual_seed(0)
+    p0 = torch.randn(n)
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=1e-2, amsgrad=True, foreach=False)
+    param, m, v, vmax = p0.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    seg = Segments.build([(0, n, 0, 0, 0)])
+    for step in range(1, 4):
+        g = torch.randn(n)
+        if step == 2:
+            g[5] = float("nan")
+        ref.grad = g.clone()
+        opt.step()
+        coefs = adam_coefficients(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, step=step,
+                                  decoupled=True)
+        adam_step(seg, coefs, grad=g, param=param, exp_avg=m, exp_avg_sq=v, max_exp_avg_sq=vmax)
+    state = opt.state[ref]
+    assert state["max_exp_avg_sq"][5].isnan()
+    for name, ours in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", vmax), ("param", param)):
+        theirs = ref.detach() if name == "param" else state[name]
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, equal_nan=True,
+                                   msg=lambda e, name=name: f"{name}: {e}")
