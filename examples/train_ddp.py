@@ -40,4 +40,5 @@ for step in range(100):
 opt.synchronize()            # parameters final before reading them outside a forward
 if rank == 0:
     print("optimizer bytes on this rank:", opt.memory())
+dist.barrier()               # with gloo, a rank tearing its group down while a peer still uses it aborts
 dist.destroy_process_group()
