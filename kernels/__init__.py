@@ -7,10 +7,11 @@ Set ``TRITON_INTERPRET=1`` before importing to run them on CPU tensors through T
 
 from .adam import ADAM_COEFS, N_ADAM_COEFS, adam_coefficients, adam_step
 from .norm import grad_sumsq
-from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, VEC, Segments, vector_elements
+from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, SCALAR_BLOCK, VEC, Segments, vector_elements
 from .sgd import N_SGD_COEFS, SGD_COEFS, sgd_coefficients, sgd_step
 
 __all__ = [
-    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "PIECE_COLUMNS", "SGD_COEFS", "Segments", "VEC",
+    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "PIECE_COLUMNS", "SCALAR_BLOCK", "SGD_COEFS",
+    "Segments", "VEC",
     "adam_coefficients", "adam_step", "grad_sumsq", "sgd_coefficients", "sgd_step", "vector_elements",
 ]

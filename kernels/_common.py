@@ -8,16 +8,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import BLOCK, VEC, Segments
+from .segments import BLOCK, SCALAR_BLOCK, VEC, Segments
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # triton.jit decides between compiling and interpreting when the kernels are defined, at import
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NUM_WARPS = 8
-SCALAR_BLOCK = 32 * NUM_WARPS
-"""Elements per step of the scalar path: one per thread. Its tensors then have a shape of their own, so
-Triton lays them out apart from the vector path's (with one shape, it spread the vector path's
-4-per-thread layout to the scalar loads and converted through shared memory before every store)."""
+assert SCALAR_BLOCK == 32 * NUM_WARPS  # a scalar row is one element per thread (segments.py)
+"""The scalar path's block has a shape of its own (SCALAR_BLOCK, not BLOCK), so Triton lays its tensors
+out apart from the vector path's (with one shape, it spread the vector path's 4-per-thread layout to
+the scalar loads and converted through shared memory before every store)."""
 
 
 FP_FUSION = False

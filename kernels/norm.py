@@ -49,14 +49,9 @@ def _grad_sumsq_kernel(
         sumsq, bad = _grad_sumsq_elements(c, idx < n, g_off + idx, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE)
     else:
         c, n, _, _, g_off = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, False, VEC)
-        sumsq = 0.0
-        bad = 0.0
-        for start in range(0, n, SCALAR_BLOCK):
-            idx = start + tl.arange(0, SCALAR_BLOCK)
-            part_sumsq, part_bad = _grad_sumsq_elements(c, idx < n, g_off + idx, grad_ptr, grad_scale_ptr,
-                                                        HAS_GRAD_SCALE)
-            sumsq += part_sumsq
-            bad += part_bad
+        lane = tl.arange(0, SCALAR_BLOCK)  # a scalar row fits one block (segments.SCALAR_BLOCK);
+        # a name of its own: Triton wants one type per name across the branches
+        sumsq, bad = _grad_sumsq_elements(c, lane < n, g_off + lane, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE)
     row = tl.program_id(0).to(tl.int64)
     tl.store(out_ptr + row * 2, sumsq)
     tl.store(out_ptr + row * 2 + 1, bad)

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 2048
-"""Elements per program. 2048 x fp32 with 8 warps is 8 elements (two 16-byte vectors) per thread."""
+"""Elements per program of a vector row. 2048 x fp32 with 8 warps is 8 elements (two 16-byte vectors)
+per thread."""
+
+SCALAR_BLOCK = 256
+"""Elements per program of a scalar row: one per thread of the kernels' 8 warps. Rows off the vector
+path are cut to this length, so a program covers its row in one masked block and no loop's trip count
+depends on a loaded length (Triton 3.6's interpreter cannot take a loaded value as a ``range`` bound
+under numpy >= 2.4; the compiled kernels lose a loop and nothing else)."""
 
 VEC = 4
 """Vector width in elements: 16 bytes of an fp32 stream, 8 of a 16-bit one. Every stream of a kernel then
@@ -106,7 +113,8 @@ class Segments:
         """Check a host table of pieces (anything ``torch.as_tensor`` takes, shape ``[n, 5]``), cut it
         for the vector path and move it.
 
-        Pieces may be whole parameter pieces of any length: rows longer than ``BLOCK`` are split here.
+        Pieces may be whole parameter pieces of any length: rows are split here, vector rows at
+        ``BLOCK`` elements, scalar rows at ``SCALAR_BLOCK``.
         ``grad_across_allocations``: the gradient offsets span several allocations from one base
         pointer and the caller has checked each piece against its own allocation; launches then do
         not check them against the base tensor (``grad_extent`` is None).
@@ -141,20 +149,25 @@ class Segments:
 
 
 def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
-    """Cut rows into pieces of at most BLOCK elements (vectorised; no Python loop per row).
+    """Cut vector rows into pieces of at most BLOCK elements and scalar rows into pieces of at most
+    SCALAR_BLOCK (vectorised; no Python loop per row).
 
     BLOCK is a multiple of VEC, so the pieces of an aligned row stay aligned.
     """
-    if host.shape[0] == 0 or int(host[:, 1].max()) <= BLOCK:
+    if host.shape[0] == 0:
         return host.contiguous()
-    pieces = (host[:, 1] + BLOCK - 1) // BLOCK
+    limit = torch.where(host[:, 5] == 1, BLOCK, SCALAR_BLOCK)
+    if bool((host[:, 1] <= limit).all()):
+        return host.contiguous()
+    pieces = (host[:, 1] + limit - 1) // limit
     rep = torch.repeat_interleave(host, pieces, dim=0)
+    rep_limit = torch.repeat_interleave(limit, pieces)
     first = torch.repeat_interleave(torch.cumsum(pieces, 0) - pieces, pieces)
     k = torch.arange(rep.shape[0]) - first  # index of the piece within its row
-    shift = k * BLOCK
+    shift = k * rep_limit
     out = rep.clone()
     out[:, 0] += shift
     out[:, 2] += shift
     out[:, 3] += shift
-    out[:, 1] = torch.clamp(rep[:, 1] - shift, max=BLOCK)
+    out[:, 1] = torch.minimum(rep[:, 1] - shift, rep_limit)
     return out.contiguous()

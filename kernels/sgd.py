@@ -74,11 +74,11 @@ def _sgd_kernel(
                       MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
     else:
         c, n, s_off, p_off, g_off = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, False, VEC)
-        for start in range(0, n, SCALAR_BLOCK):
-            idx = start + tl.arange(0, SCALAR_BLOCK)
-            _sgd_elements(c, idx < n, s_off + idx, p_off + idx, g_off + idx, grad_ptr, master_ptr, param_ptr,
-                          momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
-                          MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
+        lane = tl.arange(0, SCALAR_BLOCK)  # a scalar row fits one block (segments.SCALAR_BLOCK);
+        # a name of its own: Triton wants one type per name across the branches
+        _sgd_elements(c, lane < n, s_off + lane, p_off + lane, g_off + lane, grad_ptr, master_ptr, param_ptr,
+                      momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
+                      MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
 
 
 @triton.jit

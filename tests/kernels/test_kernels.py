@@ -11,6 +11,7 @@ import pytest
 import torch
 from fused_zero.kernels import (
     BLOCK,
+    SCALAR_BLOCK,
     VEC,
     Segments,
     adam_coefficients,
@@ -392,11 +393,13 @@ def test_empty_and_padding_only_slices_launch_nothing():
 
 
 def test_segments_split_rows_longer_than_block():
-    # offsets 0, 10, 20 disagree modulo VEC: one scalar row, split at BLOCK
-    segs = Segments.build([(0, 5000, 10, 20, 0), (5000, 3, 7000, 7000, 1)])
+    # offsets 0, 10, 20 disagree modulo VEC: one scalar piece, split at SCALAR_BLOCK (a scalar program
+    # covers its row in one block: no loop bound loaded at run time)
+    assert SCALAR_BLOCK == 256
+    segs = Segments.build([(0, 1000, 10, 20, 0), (5000, 3, 7000, 7000, 1)])
     rows = segs.rows.tolist()
-    assert rows == [[0, 2048, 10, 20, 0, 0], [2048, 2048, 2058, 2068, 0, 0], [4096, 904, 4106, 4116, 0, 0],
-                    [5000, 3, 7000, 7000, 1, 0]]
+    assert rows == [[0, 256, 10, 20, 0, 0], [256, 256, 266, 276, 0, 0], [512, 256, 522, 532, 0, 0],
+                    [768, 232, 778, 788, 0, 0], [5000, 3, 7000, 7000, 1, 0]]
     assert (segs.shard_extent, segs.param_extent, segs.grad_extent, segs.n_params) == (5003, 7003, 7003, 2)
 
 
@@ -420,7 +423,7 @@ def test_vector_rows_are_aligned_in_every_space_and_cover_each_piece_once(pieces
     and fault (or corrupt) on a GPU: check the promise the flag makes on the table itself."""
     rows = Segments.build(pieces).rows.tolist()
     for so, n, po, go, _, vector in rows:
-        assert 0 < n <= BLOCK
+        assert 0 < n <= (BLOCK if vector else SCALAR_BLOCK)  # what one program covers without a loop
         if vector:
             assert so % VEC == po % VEC == go % VEC == n % VEC == 0
     covered = sorted((so, po, go, pid) for so, n, po, go, pid, _ in rows for so, po, go in
