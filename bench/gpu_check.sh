@@ -66,6 +66,8 @@ step nvidia-smi 20 nvidia-smi
 step versions 30 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); \
 print('triton', triton.__version__)"
+export GPU_MEASURE="$OUT/measured.jsonl"   # every comparison with torch.optim, measured (tests/gpu)
+: > "$GPU_MEASURE"
 step gpu-tests 200 "${PYTEST[@]}" -q -rs tests/gpu -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml"
 step bench-kernels 100 "${PYTEST[@]}" -q bench/test_bench_kernels.py -p no:cacheprovider \
     -k "1M or 16M or 64M or 256M" --benchmark-json "$OUT/bench-kernels.json"

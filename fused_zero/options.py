@@ -16,6 +16,7 @@ import torch
 OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_SYNCS = ("step", "forward")
 ON_NONFINITES = ("skip", "raise")
 
@@ -74,6 +75,10 @@ class ShardingOptions:
     def resolved_backend(self, device: torch.device) -> str:
         if self.backend == "auto":
             return "triton" if device.type == "cuda" else "torch"
+        if self.backend == "torch" and device.type != "cpu":
+            raise ValueError(f"backend='torch' is the CPU path (torch's own CPU ops, one call per run of "
+                             f"elements: bit-identical to torch.optim on CPU, with host reads of its flags); the "
+                             f"parameters are on {device}: use backend='auto' or 'triton'")
         if self.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before importing fused_zero, or use backend='torch'")
@@ -82,6 +87,17 @@ class ShardingOptions:
     def keeps_master(self, dtype: torch.dtype) -> bool:
         """Whether parameters of ``dtype`` get fp32 master weights."""
         return dtype != torch.float32 and self.master_weights is not False
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive storage slots, in any order of dimensions
+    (row-major, channels_last, any permutation): what DDP's bucket views and ours need."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -102,6 +118,15 @@ def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Paramet
         for i, p in enumerate(group["params"]):
             if p.is_sparse or getattr(p, "layout", torch.strided) != torch.strided:
                 raise ValueError(f"param group {gi}, parameter {i}: sparse parameters are not supported")
+            if p.requires_grad and p.dtype not in PARAM_DTYPES:
+                raise ValueError(f"param group {gi}, parameter {i} (shape {tuple(p.shape)}) is {p.dtype}: fused_zero "
+                                 "keeps fp32 optimizer state and updates float32, bfloat16 and float16 parameters; "
+                                 "convert the model (model.float()) before wrapping it in DDP, or keep torch.optim "
+                                 "for float64 training")
+            if p.requires_grad and not _dense(p):
+                raise ValueError(f"param group {gi}, parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) "
+                                 "does not fill its storage densely (an expanded or overlapping view): make it "
+                                 "a parameter of its own, e.g. nn.Parameter(p.detach().clone())")
             if id(p) not in ddp_ids and p.requires_grad:
                 raise ValueError(
                     f"param group {gi}, parameter {i} (shape {tuple(p.shape)}) is not a parameter that "

@@ -109,7 +109,8 @@ class Segments:
         return self.rows.shape[0]
 
     @staticmethod
-    def build(pieces, device: torch.device | str = "cpu", *, grad_across_allocations: bool = False) -> Segments:
+    def build(pieces, device: torch.device | str = "cpu", *, grad_across_allocations: bool = False,
+              upload=None) -> Segments:
         """Check a host table of pieces (anything ``torch.as_tensor`` takes, shape ``[n, 5]``), cut it
         for the vector path and move it.
 
@@ -118,6 +119,8 @@ class Segments:
         ``grad_across_allocations``: the gradient offsets span several allocations from one base
         pointer and the caller has checked each piece against its own allocation; launches then do
         not check them against the base tensor (``grad_extent`` is None).
+        ``upload``: how the host table reaches the device (a callable taking and returning a tensor),
+        for callers that must not block: ``.to(device)`` from pageable memory waits for the device.
         """
         host = torch.as_tensor(pieces, dtype=torch.int64, device="cpu").reshape(-1, len(PIECE_COLUMNS))
         if host.numel() and bool((host < 0).any()):
@@ -130,7 +133,8 @@ class Segments:
             n_params = int(host[:, 4].max()) + 1
         else:
             shard_extent = param_extent = computed_grad = n_params = 0
-        return Segments(host.to(device), shard_extent, param_extent,
+        rows = upload(host) if upload is not None else host.to(device)
+        return Segments(rows, shard_extent, param_extent,
                         None if grad_across_allocations else computed_grad, n_params)
 
     def check(self, *, shard: int, param: int, grad: int, coefs: int) -> None:

@@ -165,20 +165,20 @@ def held_gathers():
     """Make fused_zero's all-gathers land only at ``wait()``: the collective runs into a staging
     buffer, so until the wait the parameters hold stale values outside this rank's own slice, and a
     forward that reads them without waiting computes a wrong loss instead of winning a race."""
-    from fused_zero.pipeline import updates
+    from fused_zero.pipeline import collectives
 
-    real = updates.all_gather
+    real = collectives.all_gather
 
-    def all_gather(out, inp, group=None, async_op=False):
+    def all_gather(out, inp, group, async_op=True):
         staged = torch.empty_like(out)
-        real(staged, inp, group=group)
+        real(staged, inp, group, async_op=False)
         return _HeldGather(out, staged)
 
-    updates.all_gather = all_gather
+    collectives.all_gather = all_gather
     try:
         yield
     finally:
-        updates.all_gather = real
+        collectives.all_gather = real
 
 
 @contextlib.contextmanager

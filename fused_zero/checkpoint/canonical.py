@@ -15,10 +15,10 @@ The layout module says where each element lives; this module only walks its piec
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..pipeline.collectives import all_gather
+from ..pipeline import collectives
 from ..pipeline.layout import REPLICATED, BucketLayout
+from ..pipeline.strides import memory_order, strided_view
 from . import checks
 from .checks import MASTER_KEY, StateDictError
 from .rank0 import CheckpointHandshake
@@ -34,12 +34,11 @@ def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | Non
         if engine.world == 1:
             out[:layout.head].copy_(region[mine])
         elif to is None:
-            all_gather(out[:layout.head], region[mine].contiguous(), group=engine.group)
+            collectives.all_gather(out[:layout.head], region[mine].contiguous(), engine.group, async_op=False)
         else:
             chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(engine.world)] if (
                 engine.rank == to) else None
-            dist.gather(region[mine].contiguous(), chunks, dst=dist.get_global_rank(engine.group, to),
-                        group=engine.group)
+            collectives.gather(region[mine].contiguous(), chunks, to, engine.group)
     if out is not None:
         out[layout.head:].copy_(region[tail])
 
@@ -97,7 +96,7 @@ def gather_state_dict(engine, to: int | None) -> dict | None:
     for shard in engine.shards():
         stepped = [(local, pid) for local, pid in enumerate(shard.layout.pids) if has_state(engine, pid)]
         for name in shard.state:
-            out = torch.empty(shard.layout.numel, device=engine.device) if receives else None
+            out = torch.empty(shard.layout.numel, dtype=torch.float32, device=engine.device) if receives else None
             _full_into(engine, shard, name, out, to)
             if not receives or not stepped:
                 continue
@@ -105,7 +104,7 @@ def gather_state_dict(engine, to: int | None) -> dict | None:
             for local, pid in stepped:
                 p = engine.params[pid]
                 off, n = shard.layout.offsets[local], shard.layout.numels[local]
-                state.setdefault(index[id(p)], {})[key] = out[off:off + n].view(p.shape).cpu().clone()
+                state.setdefault(index[id(p)], {})[key] = strided_view(out[off:off + n], p).cpu().clone()
         if receives:
             for _, pid in stepped:
                 entry = state.setdefault(index[id(engine.params[pid])], {})
@@ -180,7 +179,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                 value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
-                flat = value.detach().reshape(-1)
+                flat = memory_order(value.detach(), engine.params[pid])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
     for pid, saved in entries.items():
@@ -213,7 +212,8 @@ def run_state_init_step(engine) -> None:
 
 def local_entry(engine, pid: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
-    ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
+    ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened (in the
+    parameter's memory order, pipeline/strides.py), holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
     shard, local = engine.registry.where[pid]
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, engine.rank)

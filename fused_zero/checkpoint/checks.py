@@ -11,7 +11,8 @@ import copy
 import math
 
 import torch
-import torch.distributed as dist
+
+from ..pipeline import collectives
 
 MASTER_KEY = "fp32_master"
 """The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.
@@ -107,12 +108,40 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
 
 def agree(engine, error: str | None) -> None:
     """Every rank learns whether any rank refused; all raise (the first refusing rank's message) or none
-    does. Without this a rank with a corrupt copy would refuse while the others go on and mutate."""
+    does. Without this a rank with a corrupt copy would refuse while the others go on and mutate.
+
+    The messages travel as bytes in tensors on the parameters' device, through the optimizer's own
+    collectives: ``all_gather_object`` would put its tensors on the *current* device, which under NCCL,
+    in a script that never calls ``torch.cuda.set_device``, is cuda:0 on every rank."""
     errors = [error]
     if engine.world > 1:
-        errors = [None] * engine.world
-        dist.all_gather_object(errors, error, group=engine.group)
+        errors = _gather_messages(engine, error)
     for rank, e in enumerate(errors):
         if e is not None:
             prefix = "" if rank == engine.rank else f"rank {rank} refused the state dict: "
             raise StateDictError(prefix + e)
+
+
+def _gather_messages(engine, message: str | None) -> list[str | None]:
+    """Every rank's ``message`` (None: no message), on every rank: the lengths, then the bytes."""
+    device, world = engine.device, engine.world
+    data = (message or "").encode()[:_MESSAGE_BYTES]
+    lengths = torch.zeros(world, dtype=torch.int64, device=device)
+    mine = torch.tensor([0 if message is None else len(data) + 1], dtype=torch.int64, device=device)
+    collectives.all_gather(lengths, mine, engine.group, async_op=False)
+    lengths = lengths.tolist()
+    width = max(lengths)
+    if width == 0:
+        return [None] * world
+    buf = torch.zeros(width, dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    everyone = torch.empty(world * width, dtype=torch.uint8, device=device)
+    collectives.all_gather(everyone, buf, engine.group, async_op=False)
+    everyone = everyone.cpu().tolist()
+    return [None if n == 0 else bytes(everyone[r * width:r * width + n - 1]).decode(errors="replace")
+            for r, n in enumerate(lengths)]
+
+
+_MESSAGE_BYTES = 4096
+"""Longest refusal message sent (bytes); longer ones are cut."""

@@ -1,7 +1,9 @@
 """The optimizer state for torch.distributed.checkpoint (DCP): each rank saves only what it owns, and a
 checkpoint loads at any world size or bucket layout.
 
-Every parameter's state tensor is one ShardedTensor over the parameter's flattened elements, keyed by
+Every parameter's state tensor is one ShardedTensor over the parameter's flattened elements (in its
+memory order: a channels_last weight flattens as it lies in memory, see pipeline/strides.py; the
+checkpoint records that order, and a load into another memory format is refused), keyed by
 torch.optim's parameter index (``state.<i>.exp_avg``, ``state.<i>.fp32_master``, ...): the chunks are
 the runs of the parameter inside each rank's slice (layout.owners), and the replicated tail belongs to
 rank 0, so the chunks tile the parameter exactly, as DCP's save planner requires. Every rank knows
@@ -21,12 +23,13 @@ before anything loads.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
+from ..pipeline import collectives
 from ..pipeline.layout import REPLICATED
+from ..pipeline.strides import memory_order
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
@@ -39,9 +42,19 @@ def _state_key(name: str) -> str:
     return MASTER_KEY if name == "master" else name
 
 
+def _dim_order(p: torch.Tensor) -> list[int] | None:
+    """How a parameter's elements are laid out (the flattening of its ShardedTensors): None for
+    row-major, else its dimensions from the outermost stride in (channels_last: [0, 2, 3, 1])."""
+    if p.is_contiguous():
+        return None
+    return sorted(range(p.dim()), key=lambda d: (-p.stride(d), d))
+
+
 def _describe(engine) -> dict:
+    index = canonical.param_index(engine.opt)
     return {"kind": engine.algo.kind, "state": sorted({_state_key(n) for s in engine.shards() for n in s.state}),
-            "shapes": {canonical.param_index(engine.opt)[id(p)]: list(p.shape) for p in engine.params}}
+            "shapes": {index[id(p)]: list(p.shape) for p in engine.params},
+            "orders": {index[id(p)]: _dim_order(p) for p in engine.params}}
 
 
 def sharded_state_dict(engine) -> dict:
@@ -93,6 +106,12 @@ def _check(engine, sd):
         if saved["shapes"].get(i) != shape:
             raise StateDictError(f"parameter {i} has shape {tuple(shape)}, the checkpoint's "
                                  f"{tuple(saved['shapes'].get(i) or ())}")
+        order = saved.get("orders", {}).get(i)
+        if order != mine["orders"][i]:
+            raise StateDictError(f"parameter {i} is laid out with dimension order {mine['orders'][i] or 'row-major'}, "
+                                 f"the checkpoint's with {order or 'row-major'} (a memory format such as "
+                                 "channels_last): give the parameter the memory format it was saved with, or "
+                                 "convert through the canonical state_dict()")
     groups = checks.merged_groups(engine.opt, groups)
     checks.check_algorithm(engine, groups)
     index = canonical.param_index(engine.opt)
@@ -113,10 +132,12 @@ def _check(engine, sd):
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
-            flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else torch.zeros(0)
+            flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else \
+                torch.zeros(0, dtype=torch.float32)
             local[_state_key(name)] = flat
             if name == "master" and mine_runs and float(step) > 0:
-                params = torch.cat([p.detach().reshape(-1)[lo:hi] for lo, hi, _ in mine_runs])
+                params = memory_order(p.detach(), p)
+                params = torch.cat([params[lo:hi] for lo, hi, _ in mine_runs])
                 if not torch.equal(flat.to(p.dtype), params):
                     raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
                                          "the model's weights before the optimizer's state")
@@ -147,6 +168,6 @@ def _apply(engine, groups, values) -> None:
         layout = shard.layout
         if layout.tail and engine.world > 1 and names:
             tail = torch.stack([shard.state[n][slice(*layout.region_tail(engine.rank))] for n in names])
-            dist.broadcast(tail, src=dist.get_global_rank(engine.group, 0), group=engine.group)
+            collectives.broadcast(tail, 0, engine.group)
             for f, n in enumerate(names):
                 shard.state[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])

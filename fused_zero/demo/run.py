@@ -104,7 +104,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
                 losses.append(loss.detach())
             opt.synchronize()
             diff = _largest_difference(model, ref_model)
-            stats = torch.tensor([diff, *(float(v) for v in losses)], device=device)
+            stats = torch.tensor([diff, *(float(v) for v in losses)], dtype=torch.float64, device=device)
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             worst = max(worst, float(stats[0]))
             log.append((step, float(stats[1]), float(stats[2]), float(stats[0])))

@@ -56,15 +56,18 @@ class ScalerLink:
         return self.scaler._per_optimizer_states[id(self.optimizer)]
 
     def prepare(self, found_inf: torch.Tensor) -> None:
-        """Called when the last bucket of a backward is reduced: ``found_inf`` (filled by then, or by
-        ``step()``) is what ``scaler.step()`` and ``scaler.update()`` will read."""
+        """Called when the last bucket of a backward is reduced: what ``scaler.step()`` and
+        ``scaler.update()`` read from now on. Not ``found_inf`` itself, which the side stream writes
+        while the compute stream goes on (``scaler.step()`` sums the flags it holds before it calls
+        ``step()``), but a flag of the compute stream's own, which ``publish`` fills once the side
+        stream's checks are done."""
         state = self._state()
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["found_inf_per_device"] = {found_inf.device: torch.zeros_like(found_inf)}
         state["stage"] = PREPARED
 
     def publish(self, found_inf: torch.Tensor) -> None:
-        """Make the scaler's found-inf tensors hold the global flag (after a user's ``unscale_`` they
-        hold that rank's own check)."""
+        """Make the scaler's found-inf tensors hold the global flag (ours from ``prepare``, or after a
+        user's ``unscale_`` that rank's own check). Queued where ``found_inf`` was written, after the
+        compute stream (engine.py, ``_count_skip``)."""
         for t in self._state()["found_inf_per_device"].values():
-            if t is not found_inf:
-                t.copy_(found_inf.reshape(t.shape).to(t.device, t.dtype))
+            t.copy_(found_inf.reshape(t.shape).to(t.device, t.dtype))

@@ -92,7 +92,7 @@ class Launch:
         ptrs: the buffers' addresses the gradient offsets were computed from.
     """
 
-    def __init__(self, arena: Arena, buffers: list[torch.Tensor], backend: str):
+    def __init__(self, arena: Arena, buffers: list[torch.Tensor], backend: str, upload=None):
         self.arena, self.backend = arena, backend
         self.ptrs = [b.data_ptr() for b in buffers]
         if backend == "triton":
@@ -116,11 +116,11 @@ class Launch:
                     if g + n > buf.numel():
                         raise ValueError(f"a row reaches element {g + n} of a bucket of {buf.numel()}")
                     out.append((so + s, n, po + p, go + g, pid))
-        device = arena.params.device
-        triton = backend == "triton"
         # gradient offsets span several allocations: bounds are checked above, per bucket
-        self.segments = Segments.build(self.rows, device, grad_across_allocations=True) if triton else None
-        self.norm_segments = Segments.build(self.norm_rows, device, grad_across_allocations=True) if triton else None
+        triton = backend == "triton"
+        self.segments = Segments.build(self.rows, grad_across_allocations=True, upload=upload) if triton else None
+        self.norm_segments = Segments.build(self.norm_rows, grad_across_allocations=True, upload=upload) \
+            if triton else None
 
     def matches(self, buffers: list[torch.Tensor]) -> bool:
         return len(buffers) == len(self.ptrs) and all(b.data_ptr() == p for b, p in zip(buffers, self.ptrs))
@@ -179,6 +179,6 @@ class SingleLaunch:
             buffers = [s.reduced_buffer for s in arena.shards]
             launch = self.launches.get(dtype)
             if launch is None or not launch.matches(buffers):
-                launch = self.launches[dtype] = Launch(arena, buffers, self.backend)
+                launch = self.launches[dtype] = Launch(arena, buffers, self.backend, self.registry.upload)
             out.append((launch, buffers))
         return out

@@ -119,7 +119,7 @@ class Engine:
         self.forward_start: list[Callable[[torch.nn.Module], None]] = []
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
-            build_segments=self.backend == "triton", device=self.device, group=self.group,
+            upload=self.side.upload if self.backend == "triton" else None, device=self.device, group=self.group,
             world=self.world, rank=self.rank)
 
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
@@ -151,6 +151,7 @@ class Engine:
     def skipped_steps(self) -> int:
         """Steps skipped because some rank's reduced gradients held an inf or NaN (reading it waits
         for the device)."""
+        self.side.join()
         return int(self.skipped)
 
     @property
@@ -179,9 +180,10 @@ class Engine:
         names = self.algo.state_names() + (["master"] if self.options.keeps_master(dtype) else [])
         state = {name: one() for name in names}
         coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
-                                       np.zeros(1, dtype=bool), 1.0).to(self.device)
+                                       np.zeros(1, dtype=bool), 1.0)
+        coefs = self.side.upload(coefs)
         rows = [(0, 1, 0, 0, 0)]
-        segments = Segments.build(rows, self.device)
+        segments = Segments.build(rows, upload=self.side.upload)
         clip = one() if self.max_grad_norm is not None else None
         scale = one() if self.scaler is not None else None
         self.algo.update("triton", rows, segments, coefs, UpdateArgs(
@@ -198,12 +200,8 @@ class Engine:
         (callbacks on communication threads would race). On CUDA, waiting for a reduction is a stream
         wait, so a bucket is updated as soon as it is handed over; on CPU a wait blocks the host, so a
         bucket is updated when the next one arrives, and its reduction overlaps the backward between.
-        With ``grad_reduce="all_reduce"`` the returned future is the all-reduce's, as DDP's own
-        ``allreduce_hook`` returns: DDP's ``finalize_backward`` waits for it (a stream wait on CUDA)
-        before it reads the bucket into ``param.grad``, so ``param.grad`` is DDP's average in every
-        overlap mode. Its callback only hands the buffer back; it issues nothing. With
-        ``reduce_scatter`` (gloo's has no future) the future is complete: no rank holds the whole
-        average, and ``param.grad`` is documented as unreduced.
+        The future returned is the reduction's where the backend has one (``Reduction.future``), as
+        DDP's own ``allreduce_hook`` returns: DDP waits for it before it reads the bucket.
         """
         index, buffer = bucket.index(), bucket.buffer()
         shard = self.registry.cached(index, buffer)
@@ -216,10 +214,7 @@ class Engine:
             self.iteration = _Iteration()
         it = self.iteration
         if it.hparams is None:
-            for start in self.iteration_start:  # before this iteration's first collective
-                start()
-            self.side.join()
-            it.hparams = self._read_hparams()
+            self._start_iteration(it)
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
         with range_push("fused_zero.reduce"):
@@ -228,8 +223,6 @@ class Engine:
         it.ready.append(reduced)
         it.invoked += 1
         it.last_invoked = bucket.is_last()
-        if it.found_inf is None:
-            it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         if it.last_invoked:
             self.policy.watch.arm()
             if self.scaler is not None and self.scaler.enabled:
@@ -237,13 +230,21 @@ class Engine:
                     it.grad_scale = self.scaler.scale()
                 self.scaler.prepare(it.found_inf)
         if self.overlap == "bucket":
-            keep = 0 if (it.last_invoked or self.side.stream is not None) else 1
+            keep = 0 if (it.last_invoked or self.side.asynchronous) else 1
             self.updates.finish(it, len(it.ready) - keep)
         elif self.overlap == "backward" and it.last_invoked:
             self.updates.finish(it, len(it.ready), self.max_grad_norm)
-        if self.grad_reduce == "all_reduce" and self.world > 1:
-            return reduced.works[-1].get_future().then(lambda _: buffer)
-        return shard.completed(buffer)
+        return self.reduction.future(reduced, buffer)
+
+    def _start_iteration(self, it: _Iteration) -> None:
+        """The first bucket of a synced backward, before any of its collectives."""
+        for start in self.iteration_start:
+            start()
+        self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
+        it.hparams = self._read_hparams()
+        # written here, read and maxed into by the side stream's checks: the side stream waits for it
+        it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.side.follow()
 
     def _read_hparams(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
@@ -271,9 +272,7 @@ class Engine:
             edited_anywhere = it.edited
         else:
             edited_anywhere = self.policy.any_rank(bool(edited))
-        if self.scaler is not None and self.scaler.enabled:
-            self.scaler.publish(it.found_inf)
-        self.skipped += it.found_inf.to(torch.int64).reshape(())
+        self._count_skip(it)
         if self.single is not None and self.single.step_ended():
             self.synchronize()  # nothing may be pending on the shards while they move
             self.single.pack()
@@ -287,7 +286,7 @@ class Engine:
             # the compute stream follows the updates (not the all-gathers): whatever runs before the
             # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
             # it rebuilds them, must not overwrite what an update still reads
-            self.side.join_updates()
+            self.side.join()
         if edited_anywhere:
             self.policy.refuse_edit()
         # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
@@ -295,6 +294,16 @@ class Engine:
             raise FloatingPointError(
                 "the reduced gradients hold an inf or NaN on some rank; the step was skipped on every rank "
                 "(on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts skipped_steps)")
+
+    def _count_skip(self, it: _Iteration) -> None:
+        """The step's skip flag into the skipped-step counter and the GradScaler's found-inf tensors.
+        Both read the flag that the side stream's checks wrote, so they are queued there, after the
+        current stream (the user's ``scaler.unscale_`` wrote the scaler's tensors on it); ``step()``
+        then orders the current stream after the side stream before anyone reads them."""
+        with self.side.run(follow_current=True):
+            if self.scaler is not None and self.scaler.enabled:
+                self.scaler.publish(it.found_inf)
+            self.skipped += it.found_inf.to(torch.int64).reshape(())
 
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""

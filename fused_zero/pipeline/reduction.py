@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .collectives import reduce_scatter
+from . import collectives
 from .shard import BucketShard
 
 
@@ -62,6 +61,7 @@ class Reduction:
         self.used_local = np.zeros(n, dtype=bool)
         self.used_static: np.ndarray | None = None
         self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) else float(self.world) for p in engine.params])
+        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(self.group)
 
 
     @property
@@ -81,6 +81,21 @@ class Reduction:
         works += self._reduce(shard, buffer)
         return Reduced(shard, active, works)
 
+    def future(self, reduced: Reduced, buffer: torch.Tensor) -> torch.futures.Future:
+        """What the comm hook hands DDP: the bucket's last reduction's future wherever the backend has
+        one, so that DDP's ``finalize_backward`` waits for it (a stream wait on CUDA) before it reads
+        the bucket (copying it into ``param.grad`` without ``gradient_as_bucket_view``) and before the
+        backward returns: nothing reads or writes the bucket while the reduction still writes it in
+        place. With ``all_reduce`` that is DDP's own contract (``param.grad`` is the average); with
+        ``reduce_scatter`` only this rank's slice and the tail are reduced. gloo's reduce-scatter has
+        no future; there the future is complete, and DDP's copy into ``param.grad`` (only without
+        ``gradient_as_bucket_view``) may race the gloo thread on the slice it writes, which no update
+        reads through ``param.grad`` in that mode. Its callback only hands the buffer back: it issues
+        nothing (every collective is issued from the hook, see engine.py)."""
+        if reduced.works and (self.grad_reduce == "all_reduce" or self.rs_future):
+            return reduced.works[-1].get_future().then(lambda _: buffer)
+        return reduced.shard.completed(buffer)
+
     def _active(self, shard: BucketShard) -> tuple[np.ndarray | UsedFlags, list]:
         """Which of the bucket's parameters got a gradient on some rank, and the Works to wait for
         before that is known. Where it is not known on the host, the local flags go to the device and
@@ -93,7 +108,7 @@ class Reduction:
         local = torch.from_numpy(np.stack([pids, self.used_local[pids]]).astype(np.int64))
         with self.side.run(follow_current=False):
             table = self.side.upload(local)
-            works = [dist.all_reduce(table[1], group=self.group, async_op=True)] if self.world > 1 else []
+            works = [collectives.all_reduce(table[1], self.group)] if self.world > 1 else []
         return UsedFlags(table), works
 
     def _reduce(self, shard: BucketShard, buffer: torch.Tensor) -> list:
@@ -112,13 +127,13 @@ class Reduction:
             buffer.div_(self.world)
         works = []
         if self.grad_reduce == "all_reduce":
-            works.append(dist.all_reduce(buffer, group=g, async_op=True))
+            works.append(collectives.all_reduce(buffer, g))
         else:
             if layout.tail:
-                works.append(dist.all_reduce(buffer[layout.head:], group=g, async_op=True))
+                works.append(collectives.all_reduce(buffer[layout.head:], g))
             if layout.shard:
                 lo, hi = layout.slice_of(self.rank)
-                works.append(reduce_scatter(buffer[lo:hi], buffer[:layout.head], group=g, async_op=True))
+                works.append(collectives.reduce_scatter(buffer[lo:hi], buffer[:layout.head], g))
         return works
 
     def end_step(self) -> None:
@@ -132,5 +147,5 @@ class Reduction:
         """All-reduce the local "got a gradient" flags of ``pids`` (a host sync on CUDA)."""
         flags = torch.from_numpy(self.used_local[pids].astype(np.int32)).to(self.engine.device)
         if self.world > 1:
-            dist.all_reduce(flags, group=self.group)
+            collectives.all_reduce(flags, self.group, async_op=False)
         return flags.cpu().numpy() > 0

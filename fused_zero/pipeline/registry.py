@@ -16,8 +16,8 @@ import weakref
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .layout import BucketLayout, reshard_plan
 from .profiling import range_push
 from .shard import BucketShard
@@ -36,12 +36,12 @@ class ShardRegistry:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 build_segments: bool, device: torch.device, group, world: int,
+                 upload, device: torch.device, group, world: int,
                  rank: int):
         self.params = params
         self.state_names = state_names
         self.keeps_master = keeps_master
-        self.build_segments = build_segments
+        self.upload = upload  # the kernels' row tables to the device (Triton backend), or None
         self.device = device
         self.group, self.world, self.rank = group, world, rank
         self.where: dict[int, tuple[BucketShard, int]] = {}
@@ -134,7 +134,7 @@ class ShardRegistry:
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
             master=self.keeps_master(dtype), device=self.device,
-            dtype=dtype, build_segments=self.build_segments)
+            dtype=dtype, upload=self.upload)
 
     def _move_state(self, new: BucketShard) -> None:
         """Fill ``new``'s region with the state its parameters had, in one all_to_all."""
@@ -157,8 +157,8 @@ class ShardRegistry:
         else:
             send_splits = [sum(t.length for t in sends if t.dst == r) * width for r in range(self.world)]
             recv_splits = [sum(t.length for t in recvs if t.src == r) * width for r in range(self.world)]
-            dist.all_to_all_single(recv.view(-1), send.contiguous().view(-1), recv_splits, send_splits,
-                                   group=self.group)
+            collectives.all_to_all_single(recv.view(-1), send.contiguous().view(-1), recv_splits, send_splits,
+                                          self.group)
         pos = 0
         for t in recvs:
             for f, n in enumerate(names):

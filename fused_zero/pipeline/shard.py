@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..kernels import Segments
 from .layout import BucketLayout
+from .strides import strided_view
 
 
 class BucketShard:
@@ -33,7 +34,7 @@ class BucketShard:
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
                  master: bool, device: torch.device, dtype: torch.dtype,
-                 build_segments: bool):
+                 upload=None):
         self.layout = layout
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
@@ -48,18 +49,19 @@ class BucketShard:
                      for so, n, po, go, local in layout.rows()]
         tail_at = layout.region_tail(layout.rank)[0]
         self.norm_rows = [r for r in self.rows if r[0] < tail_at or layout.rank == 0]
-        self.segments = Segments.build(self.rows, device) if build_segments else None
-        self.norm_segments = Segments.build(self.norm_rows, device) if build_segments else None
+        self.segments = Segments.build(self.rows, upload=upload) if upload is not None else None
+        self.norm_segments = Segments.build(self.norm_rows, upload=upload) if upload is not None else None
         self.gather: dist.Work | None = None
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # DDP's buffer, kept until the step has run
 
     def bind_params(self) -> None:
-        """Copy the parameters' current values into the flat buffer and make them views of it."""
+        """Copy the parameters' current values into the flat buffer and make them views of it, each
+        with its own strides (strides.py: the bucket holds its gradient in that memory order)."""
         for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
-            view = self.param_buffer[off:off + n]
-            view.copy_(p.data.reshape(-1))
-            p.data = view.view_as(p)
+            view = strided_view(self.param_buffer[off:off + n], p.data)
+            view.copy_(p.data)
+            p.data = view
 
     def relocate(self, state: dict[str, torch.Tensor], param_buffer: torch.Tensor) -> None:
         """Move the state and the parameter buffer into the given tensors (views of an arena, see

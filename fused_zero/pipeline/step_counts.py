@@ -44,26 +44,26 @@ class StepCounts:
         self._counts = np.asarray(value, dtype=np.float64)
 
     def settle(self) -> None:
+        """Count every pending update. One host wait at most: the copies were queued on one stream in
+        order, so once the last one's event has passed, every earlier one has (and in the steady state
+        it passed long ago: the updates it follows ran before the next forward did)."""
+        if not self._pending:
+            return
+        event = self._pending[-1].found[1]  # the skip flag's copy: queued after its used counts' copy
+        if event is not None:
+            event.synchronize()
         skipped: dict[int, bool] = {}  # one flag per update call, shared by its buckets: read it once
         pids, counts = [], []
         for pending in self._pending:
-            found, event = pending.found
+            found = pending.found[0]
             skip = skipped.get(id(found))
             if skip is None:
-                if event is not None:
-                    event.synchronize()
                 skip = skipped[id(found)] = bool(found.reshape(-1)[0] != 0)
             if skip:
                 continue
-            if pending.used is None:
-                pids.append(pending.pids)
-                counts.append(pending.active)
-                continue
-            used, event = pending.used
-            if event is not None:
-                event.synchronize()
             pids.append(pending.pids)
-            counts.append(used.numpy() > 0)
+            counts.append(pending.active if pending.used is None else pending.used[0].numpy() > 0)
         if pids:  # a parameter is in one bucket only: no index repeats
             self._counts[np.concatenate(pids)] += np.concatenate(counts)
         self._pending = []
+

@@ -13,9 +13,10 @@ has not run yet; in the other modes it ran without the edit.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .grad_watch import GradWatch
+from .strides import strided_view
 
 
 class StepPolicy:
@@ -67,18 +68,18 @@ class StepPolicy:
             if g is None:
                 raise RuntimeError(f"param.grad of parameter {pid} was set to None between backward and step()")
             off, n = shard.layout.offsets[local], shard.layout.numels[local]
-            view = buffers[id(shard)][off:off + n]
-            if view.data_ptr() != g.data_ptr():
-                view.copy_(g.reshape(-1))
+            view = strided_view(buffers[id(shard)][off:off + n], e.params[pid])
+            if view.data_ptr() != g.data_ptr() or view.stride() != g.stride():
+                view.copy_(g)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank. On CPU an all-reduce (a host value anyway); on CUDA
         reading it back would synchronize the host, so there each rank answers for itself."""
         e = self.engine
-        if e.world == 1 or e.device.type != "cpu":
+        if e.world == 1 or e.side.asynchronous:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, group=e.group, async_op=True).wait()
+        collectives.all_reduce(t, e.group).wait()
         return bool(t[0] > 0)
 
     def refuse_edit(self) -> None:

@@ -10,6 +10,11 @@ is: a script that never calls ``torch.cuda.set_device`` (``model.to(rank)``) has
 every rank, and a kernel launched there with pointers on another GPU faults or computes garbage.
 The stream has the highest priority the device offers: the update sits on the path between bucket k's
 reduction and its all-gather, and should not queue behind backward kernels.
+
+Every stream, event and pinned-memory call goes through one small object (``CudaStreams``), so that the
+stream-order checker (fused_zero/streamcheck) can stand in for it on the CPU and run this very code
+with its ordering recorded. Host-to-device copies are all asynchronous, from pinned memory, on the side
+stream (``upload``): a pageable copy would block the host on the step path.
 """
 
 from __future__ import annotations
@@ -19,21 +24,62 @@ import contextlib
 import torch
 
 
+class CudaStreams:
+    """The CUDA calls the side stream makes, for one device."""
+
+    asynchronous = True  # queued work runs later: waits are stream waits, not host waits
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def side_stream(self):
+        highest = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower is higher
+        return torch.cuda.Stream(self.device, priority=highest)
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+    def guard(self):
+        return torch.cuda.device(self.device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of pinned ``host``, queued on the current stream."""
+        return host.to(self.device, non_blocking=True)
+
+    def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Queue a copy of device ``t`` into pinned ``out`` on the current stream."""
+        out.copy_(t, non_blocking=True)
+
+
+def device_streams(device: torch.device) -> CudaStreams | None:
+    """The stream calls for ``device``: CUDA's, or None where work runs inline (the CPU)."""
+    return CudaStreams(device) if device.type == "cuda" else None
+
+
 class SideStream:
     """Attributes:
         device: the parameters' device.
+        api: the stream calls (``CudaStreams``), or None on the CPU.
         stream: the side stream, or None on the CPU.
-        updated: an event recorded after the last update queued (None until one is, and on the CPU).
+        asynchronous: whether queued work runs later (CUDA), so that waits order streams instead of
+            blocking the host; the engine's CPU shortcuts apply only where it is False.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = None
-        self.updated = None
-        if device.type == "cuda":
-            highest = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower is higher
-            self.stream = torch.cuda.Stream(device, priority=highest)
-        self._staging = _PinnedRing()
+        self.api = device_streams(device)
+        self.asynchronous = self.api is not None and self.api.asynchronous
+        self.stream = self.api.side_stream() if self.api is not None else None
+        self._staging = _PinnedRing(self.api) if self.api is not None else None
 
     @contextlib.contextmanager
     def run(self, follow_current: bool):
@@ -43,28 +89,23 @@ class SideStream:
         if self.stream is None:
             yield
             return
-        with torch.cuda.device(self.device):
+        with self.api.guard():
             if follow_current:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+                self.stream.wait_stream(self.api.current())
+            with self.api.use(self.stream):
                 yield
 
-    def mark_updated(self) -> None:
-        """Record, on the side stream, that every update queued so far is done once reached (called
-        after each bucket's update and before its all-gather is issued)."""
+    def follow(self) -> None:
+        """Order the side stream after everything queued so far on the current stream."""
         if self.stream is not None:
-            self.updated = self.stream.record_event()
-
-    def join_updates(self) -> None:
-        """Order the current stream after the updates queued so far, not after the all-gathers issued
-        since: the forward pre-hooks wait for those, bucket by bucket."""
-        if self.updated is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.updated)
+            with self.api.guard():
+                self.stream.wait_stream(self.api.current())
 
     def join(self) -> None:
-        """Order the current stream after everything queued on the side stream."""
+        """Order the current stream after everything queued on the side stream (the all-gathers run on
+        the communication stream: the forward pre-hooks and ``synchronize()`` wait for those)."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.api.current().wait_stream(self.stream)
 
     def upload(self, table: torch.Tensor) -> torch.Tensor:
         """A host table on the update's device, copied on the side stream (which reads it first).
@@ -74,20 +115,20 @@ class SideStream:
         read by kernels queued after this copy."""
         if self.stream is None:
             return table
-        host, copied = self._staging.take(table)
         with self.run(follow_current=False):
-            out = host.to(self.device, non_blocking=True)
+            host, copied = self._staging.take(table)
+            out = self.api.to_device(host)
             copied.record(self.stream)
         return out
 
-    def download(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def download(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """Start copying ``t`` to host memory on the side stream; return the host tensor and the event
         to synchronize before reading it (None on the CPU: ``t`` itself)."""
         if self.stream is None:
             return t, None
         with self.run(follow_current=False):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
+            host = self.api.pinned_empty(t.shape, t.dtype)
+            self.api.to_host(t, host)
             return host, self.stream.record_event()
 
 
@@ -95,26 +136,29 @@ class _PinnedRing:
     """Pinned host buffers reused across uploads, a few per table shape.
 
     An asynchronous copy reads its pinned source when the stream gets to it, which may be long after
-    the call (the side stream waits for reductions first), so a buffer is refilled only once the
-    event recorded after its last copy has completed; when every buffer of the shape is still in
-    use a new one is added (at most ``limit``, after which the oldest is waited for on the host).
+    the call (the side stream waits for reductions first), so a buffer is refilled only once the event
+    recorded after its last copy has completed. When every buffer of the shape is still in use a new
+    one is added: the host never waits here. (A bound with a host wait on the oldest buffer stalled the
+    backward as soon as more same-shaped tables were in flight than the bound, e.g. the used flags of a
+    transformer's identical layers with ``find_unused_parameters``.) Idle buffers beyond ``keep`` per
+    shape are dropped, so the ring shrinks back once the burst is over.
     """
 
-    def __init__(self, limit: int = 16):
-        self.limit = limit
+    def __init__(self, api, keep: int = 16):
+        self.api = api
+        self.keep = keep
         self.rings: dict[tuple, list[tuple]] = {}  # (shape, dtype) -> [(buffer, event), ...], oldest first
 
-    def take(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def take(self, table: torch.Tensor) -> tuple[torch.Tensor, object]:
         """A pinned buffer holding ``table``'s values and the event to record after copying it."""
         ring = self.rings.setdefault((tuple(table.shape), table.dtype), [])
-        free = next((i for i, (_, event) in enumerate(ring) if event.query()), None)
-        if free is not None:
-            slot = ring.pop(free)
-        elif len(ring) < self.limit:
-            slot = (torch.empty_like(table, pin_memory=True), torch.cuda.Event())
+        idle = [i for i, (_, event) in enumerate(ring) if event.query()]
+        if idle:
+            slot = ring.pop(idle[0])
+            for i in reversed(idle[1:][self.keep - 1:]):
+                ring.pop(i - 1)  # one index down: the slot taken above came first
         else:
-            slot = ring.pop(0)
-            slot[1].synchronize()
+            slot = (self.api.pinned_empty(table.shape, table.dtype), self.api.event())
         ring.append(slot)  # the most recently used last: the next search finds older ones first
         slot[0].copy_(table)
         return slot

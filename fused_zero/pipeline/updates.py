@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..update.algorithms import UpdateArgs, clip_coefficient
-from .collectives import all_gather
+from . import collectives
 from .profiling import range_push
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
@@ -108,7 +107,6 @@ class Updates:
                 e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                     unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
                     clip_coef=clip))
-            self.side.mark_updated()
             for item, flags in unit.items:
                 shard = item.shard
                 shard.reduced_buffer = None
@@ -158,9 +156,9 @@ class Updates:
             stats[1] += bad
         stats[2] = float(it.edited)
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
-            dist.all_reduce(stats, group=self.group, async_op=True).wait()
+            collectives.all_reduce(stats, self.group).wait()
         found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
-        it.edited = bool(stats[2] > 0) if e.device.type == "cpu" else it.edited
+        it.edited = it.edited if self.side.asynchronous else bool(stats[2] > 0)  # a host value on the CPU
         clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
         return found, clip
 
@@ -170,6 +168,5 @@ class Updates:
             return
         lo, hi = layout.slice_of(self.rank)
         with range_push("fused_zero.all_gather"):
-            shard.gather = all_gather(
-                shard.param_buffer[:layout.head], shard.param_buffer[lo:hi], group=self.group,
-                async_op=True)
+            shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
+                                                  self.group)

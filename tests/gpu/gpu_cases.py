@@ -24,6 +24,26 @@ SKIP = 77
 DEVICE = os.environ.get("FUSED_ZERO_CASES_DEVICE", "cuda")  # "cpu": a dry run of the harness itself
 
 
+def measure(kind: str, what: str, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Record how far ``mine`` is from torch.optim's ``theirs`` (largest difference, relative to the
+    tensor's scale and in ulps of it, share of elements that differ at all), one JSON line per call to
+    the file ``GPU_MEASURE`` names (bench/gpu_check.sh sets it): the first GPU run measures what the
+    tolerances below are set to; docs/performance.md lists the figures it must produce."""
+    path = os.environ.get("GPU_MEASURE")
+    if not path:
+        return
+    import json
+
+    a, b = mine.detach().double().reshape(-1), theirs.detach().double().reshape(-1)
+    scale = float(b.abs().max()) or 1.0
+    diff = (a - b).abs()
+    ulp = float(torch.finfo(theirs.dtype if theirs.is_floating_point() else torch.float32).eps) * scale
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": kind, "case": what, "max_abs": float(diff.max()), "scale": scale,
+                            "max_rel_to_scale": float(diff.max()) / scale, "max_ulps_of_scale": float(diff.max()) / ulp,
+                            "share_differing": float((diff != 0).double().mean())}) + "\n")
+
+
 class Skip(Exception):
     """This machine cannot run the case; the message says why."""
 
@@ -120,6 +140,7 @@ def _kernel_run(opt_name, low, *, found_inf_step=None, clip=None, scale=None, wo
 def _close(mine, theirs, what):
     """Within a few fp32 ulps of the tensor's scale after 100 steps: Triton contracts a*b+c into FMAs
     where torch's CUDA kernels round each product; a wrong or skipped step is off by ~lr."""
+    measure("kernels", what, mine, theirs)
     scale = float(theirs.abs().max())
     torch.testing.assert_close(mine, theirs, rtol=2e-5, atol=2e-6 * scale + 1e-12,
                                msg=lambda m: f"{what}: {m}")
@@ -187,6 +208,8 @@ def _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=20, bu
         opt.synchronize()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             a, b = p.detach().float(), q.detach().float()
+            measure("engine", f"world {world} {overlap} {grad_reduce} {param_sync} {dtype} {graph} step {step} {name}",
+                    a, b)
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             else:  # a few bf16 ulps: a skipped or doubled step is ~lr away on parameters near 1
@@ -275,8 +298,8 @@ def _shared_gpu(rank, world):
     try:
         t = torch.ones(4 * world, device=dev)
         out = torch.empty(4, device=dev)
-        reduce_scatter(out, t)
-        all_gather(t, out)
+        reduce_scatter(out, t, None, async_op=False)
+        all_gather(t, out, None, async_op=False)
         dist.all_to_all_single(torch.empty(4 * world, device=dev), t, [4] * world, [4] * world)
         dist.all_reduce(out, async_op=True).wait()
         torch.cuda.synchronize()

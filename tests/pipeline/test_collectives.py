@@ -10,8 +10,8 @@ from fused_zero.pipeline import collectives
 
 def test_the_names_this_torch_has():
     if hasattr(dist, "reduce_scatter_single"):
-        assert collectives.reduce_scatter is dist.reduce_scatter_single
-        assert collectives.all_gather is dist.all_gather_single
+        assert collectives._reduce_scatter is dist.reduce_scatter_single
+        assert collectives._all_gather is dist.all_gather_single
     else:
-        assert collectives.reduce_scatter is dist.reduce_scatter_tensor
-        assert collectives.all_gather is dist.all_gather_into_tensor
+        assert collectives._reduce_scatter is dist.reduce_scatter_tensor
+        assert collectives._all_gather is dist.all_gather_into_tensor

@@ -147,8 +147,78 @@ def check_every_launch_under_the_guard(rank, world):
     assert not outside, f"launches outside the device guard: {outside}"
 
 
-CHECKS = [check_all_reduce_grad_is_ddps, check_find_unused_issues_no_blocking_collective,
-          check_reshard_under_float64_default, check_every_launch_under_the_guard]
+def check_refusals_agree_on_the_parameters_device(rank, world):
+    """8.1: a refused load is agreed on through the optimizer's own collectives on the parameters'
+    device, not ``all_gather_object`` (which would put every rank's tensor on cuda:0 under NCCL in a
+    script that never calls ``set_device``)."""
+    import torch.distributed as dist
+
+    from fused_zero.checkpoint.checks import StateDictError
+
+    model, ddp, ref, ref_ddp = _models(as_view=True)
+    opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp)
+    _loss(ddp, 1, rank).backward()
+    opt.step()
+    sd = opt.state_dict()
+    if rank == 1:
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:1]  # a corrupt copy on one rank only
+    real = dist.all_gather_object
+    dist.all_gather_object = None  # any call fails
+    try:
+        opt.load_state_dict(sd)
+    except StateDictError as e:
+        expected = "state 'exp_avg' has shape" if rank == 1 else "rank 1 refused the state dict"
+        assert expected in str(e), str(e)
+    else:
+        raise AssertionError("the corrupt dict loaded")
+    finally:
+        dist.all_gather_object = real
+        opt._engine.close()
+
+
+def _float64_default_dicts(rank, world):
+    """5: under ``set_default_dtype(torch.float64)`` an fp32 model's state comes out float32 from every
+    checkpoint path (it was float64 at world 1, and refused by gloo at world 2), and a float64 model is
+    refused at construction, naming the parameter (it crashed in the backward)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, ddp, ref, ref_ddp = _models(as_view=True)
+        for m in (model, ref):
+            m.float()
+        ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001) for m in (model, ref))
+        for overlap in OVERLAPS:
+            opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap)
+            for step in range(1, 3):
+                _loss(ddp, step, rank).backward()
+                opt.step()
+                opt.zero_grad()
+            for sd in (opt.state_dict(), opt.state_dict(to=0)):
+                if sd is not None:
+                    dtypes = {v.dtype for entry in sd["state"].values() for v in entry.values()}
+                    assert dtypes == {torch.float32}, f"{overlap}: {dtypes}"
+            opt.load_state_dict(opt.state_dict())
+            opt.load_sharded_state_dict(opt.sharded_state_dict())
+            opt._engine.close()
+            ddp = DDP(model, bucket_cap_mb=0.0001)
+        wide = DDP(torch.nn.Linear(3, 2))
+        try:
+            fused_zero.AdamW(wide.parameters(), ddp=wide)
+        except ValueError as e:
+            assert "torch.float64" in str(e) and "parameter 0" in str(e), str(e)
+        else:
+            raise AssertionError("a float64 model was accepted")
+    finally:
+        torch.set_default_dtype(old)
+
+
+def check_float64_default(rank, world):
+    _float64_default_dicts(rank, world)
+
+
+CHECKS = [check_all_reduce_grad_is_ddps, check_float64_default, check_refusals_agree_on_the_parameters_device,
+          check_find_unused_issues_no_blocking_collective, check_reshard_under_float64_default,
+          check_every_launch_under_the_guard]
 
 
 def run_checks(rank, world):
@@ -220,6 +290,71 @@ def test_side_stream_guard_and_priority(monkeypatch):
     with side.run(follow_current=True):
         assert fake.guards == [torch.device("cuda", 1)], fake.guards
         assert fake.entered == [side.stream]
+
+
+def test_float64_default_at_world_1():
+    import torch.distributed as dist
+
+    from fused_zero.demo.spawn import _free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        _float64_default_dicts(0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_backend_is_refused_on_cuda():
+    """7: the torch backend is the CPU path (host reads of its flags, CPU scalars): refused on CUDA at
+    construction instead of crashing at the first step."""
+    from fused_zero.options import ShardingOptions
+
+    with pytest.raises(ValueError, match="backend='torch' is the CPU path"):
+        ShardingOptions(backend="torch").resolved_backend(torch.device("cuda", 0))
+    assert ShardingOptions(backend="torch").resolved_backend(torch.device("cpu")) == "torch"
+    assert ShardingOptions().resolved_backend(torch.device("cuda", 0)) == "triton"
+
+
+class _NeverDone:
+    """A CUDA event whose copy never completes; synchronizing it is what must not happen."""
+
+    def __init__(self):
+        self.synchronized = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def record(self, stream=None):
+        pass
+
+
+def test_pinned_uploads_never_wait_on_the_host():
+    """8.2: with every earlier copy still in flight (a backward of many same-shaped buckets), the
+    pinned ring adds a buffer instead of waiting for the oldest; once copies complete, it reuses them
+    and shrinks back to its bound."""
+    from fused_zero.pipeline.streams import _PinnedRing
+
+    events = []
+
+    class Api:
+        def pinned_empty(self, shape, dtype):
+            return torch.empty(shape, dtype=dtype)
+
+        def event(self):
+            events.append(_NeverDone())
+            return events[-1]
+
+    ring = _PinnedRing(Api(), keep=4)
+    table = torch.ones(2, 3)
+    taken = [ring.take(table)[0] for _ in range(40)]
+    assert len({id(t) for t in taken}) == 40 and not any(e.synchronized for e in events)
+    for e in events:
+        e.query = lambda: True
+    ring.take(table)
+    assert len(ring.rings[((2, 3), torch.float32)]) == 4, "idle buffers beyond the bound were kept"
 
 
 def test_amsgrad_keeps_a_nan_like_torch():

@@ -1,0 +1,304 @@
+"""``StreamChecker``: run the real engine on CPU tensors as if on a GPU, and report every stream-order
+hazard and every host synchronization.
+
+Inside ``with StreamChecker() as checker:`` an optimizer built on CPU parameters gets a side stream
+made of stand-ins (device.py), so the engine takes its CUDA code path: updates queued on the side
+stream, stream waits instead of host waits, pinned uploads. Its collectives (pipeline/collectives.py)
+are issued on a communication stream per process group, after the issuing stream, and their Works order
+whoever waits for them; its update and norm launches are single operations on the stream they are
+queued on, reading and writing exactly their rows' elements; every other tensor operation, the model's
+forward and backward and DDP's own work included, runs on the compute stream (or, for host memory, on
+the host). The operations still compute for real (gloo, torch's CPU ops), so training goes on as usual
+while the ordering is recorded (clocks.py).
+
+What it cannot see: ordering that only timing gives (it assumes none), and DDP's C++ waits other than
+on the futures the comm hook returns (modeled: ``finalize_backward`` waits for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..pipeline import collectives, streams
+from ..update.algorithms import Algorithm
+from .clocks import Clocks, Hazard
+from .device import ModeledStreams, ModeledWork
+from .trace import DispatchCalls, function_patches
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_KERNELS = os.path.dirname(os.path.abspath(kernels.__file__))  # kernels/ in a source checkout
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class StreamChecker:
+    """Attributes:
+        clocks: the model (streams, clocks, memory, hazards).
+        compute, host: the compute stream's and the host's stream index.
+        current: the stream operations are queued on now.
+        syncs: ``(what, where, phase, ours)`` of every host synchronization seen; ``ours``: fused_zero's
+            code is on the stack (else it is the caller's, or DDP's own, C++ reducer included).
+        phase: a label the caller sets (``checker.phase = "step 3"``), recorded with each sync.
+    """
+
+    def __init__(self):
+        self.clocks = Clocks()
+        self.compute = self.clocks.stream("compute stream")
+        self.host = self.clocks.stream("host", frees_checked=False)
+        self.current = self.compute
+        self.comm: dict[int, int] = {}
+        self.syncs: list[tuple[str, str, str, bool]] = []
+        self.phase = ""
+        self._paused = 0
+        self._patches: list[tuple[object, str, object]] = []
+        self._modes = (DispatchCalls(self),)
+
+    # ------------------------------------------------------------------ results
+
+    def hazards(self) -> list[Hazard]:
+        """Every hazard once (by kind and the two operations' places)."""
+        seen, out = set(), []
+        for h in self.clocks.hazards:
+            key = (h.kind, h.first.op, h.first.where, h.second.op if h.second else None,
+                   h.second.where if h.second else h.freed_at)
+            if key not in seen:
+                seen.add(key)
+                out.append(h)
+        return out
+
+    def report(self) -> str:
+        lines = [str(h) for h in self.hazards()]
+        return "\n".join(lines) if lines else "no stream-order hazard"
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> StreamChecker:
+        real_streams = streams.device_streams
+        self._patch(streams, "device_streams",
+                    lambda device: ModeledStreams(self, device) if device.type == "cpu" else real_streams(device))
+        for name, reads, writes in (("all_reduce", (0,), (0,)), ("reduce_scatter", (1,), (0,)),
+                                    ("all_gather", (1,), (0,)), ("all_to_all_single", (1,), (0,)),
+                                    ("gather", (0,), (1,)), ("broadcast", (0,), (0,))):
+            self._patch(collectives, name, self._collective(getattr(collectives, name), reads, writes))
+        self._patch(collectives, "reduce_scatter_has_future", lambda group: True)  # NCCL's has one
+        from_numpy = torch.from_numpy  # no __torch_function__ of its own: seen here instead
+
+        def host_from_numpy(array):
+            t = from_numpy(array)
+            self.register(t, host=True, name=f"host from_numpy {tuple(t.shape)}")
+            return t
+
+        self._patch(torch, "from_numpy", host_from_numpy)
+        for owner, name, value in function_patches(self):
+            self._patch(owner, name, value)
+        self._patch(Algorithm, "update", self._launch_update(Algorithm.update))
+        self._patch(Algorithm, "grad_sumsq", self._launch_norm(Algorithm.grad_sumsq))
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        for owner, name, value in reversed(self._patches):
+            setattr(owner, name, value)
+        self._patches = []
+
+    def _patch(self, owner, name: str, value) -> None:
+        self._patches.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Operations here are the stand-ins' own: not recorded."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def is_paused(self) -> bool:
+        return self._paused > 0
+
+    # ------------------------------------------------------------------ memory
+
+    def register(self, t: torch.Tensor, host: bool = False, name: str | None = None) -> None:
+        """Know ``t``'s storage (allocated now, on the current stream, unless known already)."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.clocks.storages:
+            return
+        sid = self.host if host else self.current
+        label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
+        self.clocks.storage(key, f"{label} (made at {self.where()})", sid, host)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key) -> None:
+        if key in self.clocks.storages:
+            self.clocks.freed(key, self.where())
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        st = self.clocks.storages.get(t.untyped_storage().data_ptr())
+        return st is not None and st.host
+
+    def record(self, op: str, reads=(), writes=(), sid: int | None = None) -> None:
+        """One operation on ``sid`` (default: the host if it touches host memory only, else the current
+        stream), reading ``reads`` and writing ``writes`` (tensors; the bytes each one spans)."""
+        spans = [(t, False) for t in reads] + [(t, True) for t in writes]
+        spans = [(t, w) for t, w in spans if t.numel()]
+        if not spans:
+            return
+        for t, _ in spans:
+            self.register(t)
+        if sid is None:
+            written = [t for t, w in spans if w]
+            if written and all(self.is_host(t) for t in written):  # the host writes host memory itself
+                device_reads = [t for t, w in spans if not w and not self.is_host(t)]
+                if device_reads:  # a copy from the device into host memory: the host waits for it
+                    self.host_read(device_reads[0], f"{op} of a device tensor into host memory", record=False)
+                sid = self.host
+            else:
+                sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
+        where = self.where()
+        for key, lo, hi, write in _coalesce(spans):
+            self.clocks.access(key, lo, hi, sid, write, op, where)
+        if sid == self.host:  # the host's work is done before anything queued after it
+            self.clocks.host_sync(self.clocks.snapshot(self.host))
+
+    def host_read(self, t: torch.Tensor, what: str, record: bool = True) -> None:
+        """The host reads a device value: a copy on the current stream, then a host wait for it."""
+        if record:
+            self.record(what, reads=[t])
+        self.log_sync(what)
+        self.clocks.host_sync(self.clocks.snapshot(self.current))
+
+    def log_sync(self, what: str) -> None:
+        self.syncs.append((what, self.where(), self.phase, _ours(sys._getframe(1))))
+
+    def where(self) -> str:
+        """The innermost frame outside torch and this checker: the line that queued the operation."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not (path.startswith(_HERE) or path.startswith(_TORCH) or path.endswith(_PLUMBING)):
+                ours = path.startswith(_PACKAGE) or path.startswith(_KERNELS)
+                shown = os.path.relpath(path, os.path.dirname(_PACKAGE)) if ours else path
+                return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
+        return "?"
+
+    # ------------------------------------------------------------------ stand-ins
+
+    def _comm_stream(self, group) -> int:
+        group = group if group is not None else dist.group.WORLD
+        sid = self.comm.get(id(group))
+        if sid is None:
+            sid = self.comm[id(group)] = self.clocks.stream(f"communication stream {len(self.comm)}",
+                                                            frees_checked=False)
+        return sid
+
+    def _collective(self, real, read_args: tuple[int, ...], write_args: tuple[int, ...]):
+        """A collective as NCCL orders it: queued on the group's stream after the issuing stream; the
+        Work orders its waiter after it."""
+        def modeled(*args, **kwargs):
+            reads = [args[i] for i in read_args if isinstance(args[i], torch.Tensor)]
+            writes = [t for i in write_args for t in (args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
+                      if isinstance(t, torch.Tensor)]
+            sid = self._comm_stream(_group_of(args, kwargs))
+            self.clocks.merge(sid, self.clocks.snapshot(self.current))
+            self.record(f"collectives.{real.__name__}", reads=reads, writes=writes, sid=sid)
+            takes_async = real in _ASYNC_BY_DEFAULT
+            with self.paused():
+                work = real(*args, **{**kwargs, "async_op": True}) if takes_async else real(*args, **kwargs)
+            modeled_work = ModeledWork(self, work if takes_async else None, self.clocks.snapshot(sid), writes)
+            if not (takes_async and kwargs.get("async_op", True)):
+                modeled_work.wait()
+            return modeled_work
+        return modeled
+
+    def _launch_update(self, real):
+        checker = self
+
+        def update(algo, backend, rows, segments, coefs, args):
+            reads = [coefs] + ([segments.rows] if segments is not None else []) + \
+                [t for t in (args.grad_scale, args.found_inf, args.clip_coef) if t is not None]
+            reads += [args.grad[go:go + n] for _, n, _, go, _ in rows]
+            writes = [args.param[po:po + n] for _, n, po, _, _ in rows]
+            writes += [t[so:so + n] for t in args.state.values() for so, n, _, _, _ in rows]
+            checker.record("update kernel", reads=reads + writes, writes=writes)
+            with checker.paused():
+                return real(algo, backend, rows, segments, coefs, args)
+        return update
+
+    def _launch_norm(self, real):
+        checker = self
+
+        def grad_sumsq(algo, backend, rows, segments, coefs, grad, grad_scale=None):
+            reads = [coefs] + ([segments.rows] if segments is not None else []) + \
+                ([grad_scale] if grad_scale is not None else []) + [grad[go:go + n] for _, n, _, go, _ in rows]
+            with checker.paused():
+                out = real(algo, backend, rows, segments, coefs, grad, grad_scale)
+            for t in out:
+                checker.register(t)
+            checker.record("norm kernel", reads=reads, writes=list(out))
+            return out
+        return grad_sumsq
+
+
+def _ours(frame) -> bool:
+    """Whether fused_zero's code (not this checker, not the demo's rank launcher) is on the stack."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        ours = path.startswith(_PACKAGE) or path.startswith(_KERNELS)
+        if ours and not path.startswith(_HERE) and os.sep + "demo" + os.sep not in path:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_PLUMBING = ("/contextlib.py", "/weakref.py")
+"""Frames that only pass a call on (context managers, finalizers): the line that called them counts."""
+
+_ASYNC_BY_DEFAULT = {collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather}
+"""Collectives taking ``async_op`` (the others block their caller: modeled as a wait at once)."""
+
+
+def _group_of(args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    for a in reversed(args):
+        if a is None or isinstance(a, dist.ProcessGroup):
+            return a
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    size = t.element_size()
+    lo = t.storage_offset()
+    hi = lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return lo * size, hi * size
+
+
+def _coalesce(spans):
+    """``(storage key, lo, hi, write)`` for tensors, adjacent ranges of one storage merged."""
+    by_key: dict[tuple, list[tuple[int, int]]] = {}
+    for t, write in spans:
+        lo, hi = _span(t)
+        by_key.setdefault((t.untyped_storage().data_ptr(), write), []).append((lo, hi))
+    for (key, write), ranges in by_key.items():
+        ranges.sort()
+        lo, hi = ranges[0]
+        for a, b in ranges[1:]:
+            if a <= hi:
+                hi = max(hi, b)
+            else:
+                yield key, lo, hi, write
+                lo, hi = a, b
+        yield key, lo, hi, write

@@ -1,0 +1,139 @@
+"""Stand-ins for the CUDA calls the pipeline makes, recording their ordering instead of making it.
+
+``ModeledStreams`` has the interface of ``pipeline.streams.CudaStreams``: the side stream's code runs
+unchanged on top of it, with CPU tensors. ``ModeledWork`` wraps a real gloo Work with NCCL's stream
+semantics: the collective is queued on its process group's communication stream after the stream that
+issued it, and ``wait()`` orders the *calling* stream after it (a stream wait, not a host wait), as
+ProcessGroupNCCL's Work does. Events carry a vector clock; ``synchronize()`` is a host wait, which
+orders every stream's later work after the event; ``query()`` answers True, as if the device were
+always done, and counts as the host observing the event (the same edge).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class ModeledStream:
+    def __init__(self, checker, sid: int):
+        self.checker, self.sid = checker, sid
+
+    def wait_stream(self, other: ModeledStream) -> None:
+        clocks = self.checker.clocks
+        clocks.merge(self.sid, clocks.snapshot(other.sid))
+
+    def wait_event(self, event: ModeledEvent) -> None:
+        if event.vc is not None:
+            self.checker.clocks.merge(self.sid, event.vc)
+
+    def record_event(self) -> ModeledEvent:
+        event = ModeledEvent(self.checker)
+        event.record(self)
+        return event
+
+    def __repr__(self) -> str:
+        return f"<stream {self.checker.clocks.names[self.sid]}>"
+
+
+class ModeledEvent:
+    def __init__(self, checker):
+        self.checker = checker
+        self.vc: dict[int, int] | None = None
+
+    def record(self, stream: ModeledStream | None = None) -> None:
+        sid = stream.sid if stream is not None else self.checker.current
+        self.vc = self.checker.clocks.snapshot(sid)
+
+    def query(self) -> bool:
+        if self.vc is not None:
+            self.checker.clocks.host_sync(self.vc)
+        return True
+
+    def synchronize(self) -> None:
+        self.checker.log_sync("event.synchronize()")
+        if self.vc is not None:
+            self.checker.clocks.host_sync(self.vc)
+
+
+class ModeledStreams:
+    """``pipeline.streams.CudaStreams`` for a CPU device, under a ``StreamChecker``."""
+
+    asynchronous = True
+
+    def __init__(self, checker, device: torch.device):
+        self.checker, self.device = checker, device
+
+    def side_stream(self) -> ModeledStream:
+        return ModeledStream(self.checker, self.checker.clocks.stream("side stream"))
+
+    def current(self) -> ModeledStream:
+        return ModeledStream(self.checker, self.checker.current)
+
+    @contextlib.contextmanager
+    def use(self, stream: ModeledStream):
+        checker = self.checker
+        before, checker.current = checker.current, stream.sid
+        try:
+            yield
+        finally:
+            checker.current = before
+
+    def guard(self):
+        return contextlib.nullcontext()
+
+    def event(self) -> ModeledEvent:
+        return ModeledEvent(self.checker)
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        with self.checker.paused():
+            t = torch.empty(shape, dtype=dtype)
+        self.checker.register(t, host=True, name=f"pinned {dtype} {tuple(t.shape)}")
+        return t
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy on the current stream: it reads the pinned source when it runs."""
+        checker = self.checker
+        with checker.paused():
+            out = torch.empty_like(host)
+            out.copy_(host)
+        checker.register(out, host=False, name=f"upload {tuple(out.shape)}")
+        checker.record("copy host->device (non_blocking)", reads=[host], writes=[out])
+        return out
+
+    def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        checker = self.checker
+        with checker.paused():
+            out.copy_(t)
+        checker.record("copy device->host (non_blocking)", reads=[t], writes=[out], sid=checker.current)
+
+
+class ModeledWork:
+    """A real gloo Work, with NCCL's ordering: see the module docstring."""
+
+    def __init__(self, checker, work, vc: dict[int, int], outputs: list[torch.Tensor]):
+        self.checker, self.work, self.vc, self.outputs = checker, work, vc, outputs
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is not None:
+            with self.checker.paused():  # gloo's own copies when it finishes (its output) are not ours
+                self.work.wait()
+        self.checker.clocks.merge(self.checker.current, self.vc)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """The Work's future, waited for by DDP at the end of the backward (``finalize_backward``): the
+        stream that finishes the backward is ordered after the collective then. gloo's reduce-scatter
+        has no future; NCCL's has, so one is made here from the finished Work."""
+        checker = self.checker
+        with checker.paused():
+            try:
+                fut = self.work.get_future()
+            except RuntimeError:
+                self.work.wait()
+                fut = torch.futures.Future()
+                fut.set_result(self.outputs)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: checker.clocks.merge(checker.current, self.vc))
+        return fut

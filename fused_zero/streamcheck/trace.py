@@ -1,0 +1,146 @@
+"""Seeing every tensor operation: a ``TorchDispatchMode`` records what each aten operation reads and
+writes (from its schema's alias information, as torch's own CUDA sanitizer does), on the stream it
+would run on; stand-ins patched on torch for the checker's duration see the calls that only make sense
+on a real device (a tensor made on the host, a blocking copy to the device, a read of a device value by
+the host).
+
+On the CPU every tensor is a CPU tensor, so "host memory" is what the program makes as host memory:
+pinned buffers (through the stream calls), ``torch.from_numpy``, and tensors made from Python data or
+by a factory without a ``device=`` torch.device. Everything else is device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_HOST_FACTORIES = ("tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "randn", "rand",
+                   "randint", "randperm")
+_METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
+                  "new_zeros", "new_ones", "new_full", "new_empty_strided"}
+"""Operations whose tensor arguments give only shape, dtype and device: nothing is read."""
+_HOST_READS = {"tolist": "tensor.tolist()", "numpy": "tensor.numpy()", "cpu": "tensor.cpu()"}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def _device_arg(args, kwargs):
+    """The target device of a ``Tensor.to`` call, or None when it only changes the dtype."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for a in args:
+        if isinstance(a, (torch.device, str)):
+            return a
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+def function_patches(checker) -> list[tuple[object, str, object]]:
+    """``(owner, name, stand-in)`` for the torch functions and tensor methods the checker must see with
+    their Python arguments. Patched on their modules (not a ``TorchFunctionMode``: the backward's hooks,
+    where the comm hook builds tables, run without the caller's function modes)."""
+    out = []
+    for name in _HOST_FACTORIES:
+        out.append((torch, name, _factory(checker, getattr(torch, name))))
+    for name, what in _HOST_READS.items():
+        out.append((torch.Tensor, name, _host_read(checker, getattr(torch.Tensor, name), what)))
+    out.append((torch.Tensor, "to", _to(checker, torch.Tensor.to)))
+    return out
+
+
+def _factory(checker, real):
+    def factory(*args, **kwargs):
+        if checker.is_paused() or (args and isinstance(args[0], torch.Tensor)):
+            return real(*args, **kwargs)
+        # made without a ``device=`` torch.device: host memory (the engine's own device tensors always
+        # name one; "cpu" as a string is how fused_zero asks for host memory explicitly)
+        device = kwargs.get("device")
+        host = device is None or isinstance(device, str)
+        with checker.paused():
+            out = real(*args, **kwargs)
+        made = _tensors(out)
+        for t in made:
+            checker.register(t, host=host, name=f"{'host' if host else 'device'} {real.__name__} {tuple(t.shape)}")
+        if real.__name__ != "empty":  # the values it fills in are a write, on the stream it runs on
+            checker.record(f"torch.{real.__name__}", writes=made)
+        return out
+    return factory
+
+
+def _host_read(checker, real, what: str):
+    def read(self, *args, **kwargs):
+        if not checker.is_paused() and not checker.is_host(self):
+            checker.host_read(self, what)
+        return real(self, *args, **kwargs)
+    return read
+
+
+def _to(checker, real):
+    def to(self, *args, **kwargs):
+        target = _device_arg(args, kwargs)
+        if target is not None and not checker.is_paused():
+            source_host = checker.is_host(self)
+            to_host = isinstance(target, str) and target == "cpu"
+            if source_host and not to_host and not kwargs.get("non_blocking", False):
+                checker.log_sync("blocking host-to-device copy (tensor.to(device) from pageable memory)")
+            elif not source_host and to_host:
+                checker.host_read(self, "tensor.to('cpu')")
+        return real(self, *args, **kwargs)
+    return to
+
+
+class DispatchCalls(TorchDispatchMode):
+    def __init__(self, checker):
+        super().__init__()
+        self.checker = checker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        checker = self.checker
+        if checker.is_paused():
+            return out
+        schema = func._schema
+        name = str(func.overloadpacket.__name__)
+        if name in ("lift_fresh", "lift_fresh_copy"):  # Python data (an index list, a number) made a tensor
+            for t in _tensors(out):
+                checker.register(t, host=True, name=f"host data {tuple(t.shape)}")
+            return out
+        reads, writes, inputs = [], [], []
+        for argument, value in _arguments(schema, args, kwargs):
+            info = argument.alias_info
+            for t in _tensors(value):
+                inputs.append(t)
+                if info is not None and info.is_write:
+                    writes.append(t)
+                elif info is None and name not in _METADATA_ONLY:
+                    reads.append(t)
+        fresh = []
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, value in zip(schema.returns, results):
+            if ret.alias_info is None:
+                fresh += _tensors(value)
+        # a 0-dim input (a wrapped number, a scalar) does not make an operation's output device memory,
+        # as CUDA takes 0-dim CPU tensors anywhere; an operation of scalars and Python numbers only makes
+        # a host scalar
+        shaped = [t for t in inputs if t.dim()] or inputs
+        host = all(checker.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
+        for t in fresh:
+            checker.register(t, host=host)
+        checker.record(f"aten.{name}", reads=reads, writes=writes + fresh)
+        if name == "_local_scalar_dense" and reads and not checker.is_host(reads[0]):
+            checker.host_read(reads[0], "a device value read by the host (item(), bool(), float())", record=False)
+        return out
+
+
+def _arguments(schema, args, kwargs):
+    for i, argument in enumerate(schema.arguments):
+        if argument.kwarg_only or i >= len(args):
+            if argument.name in kwargs:
+                yield argument, kwargs[argument.name]
+        else:
+            yield argument, args[i]
