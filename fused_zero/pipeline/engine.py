@@ -231,7 +231,7 @@ class Engine:
                 self.scaler.prepare(it.found_inf)
         if self.overlap == "bucket":
             keep = 0 if (it.last_invoked or self.side.asynchronous) else 1
-            self.updates.finish(it, len(it.ready) - keep)
+            self.updates.finish(it, len(it.ready) - keep, each_bucket=True)
         elif self.overlap == "backward" and it.last_invoked:
             self.updates.finish(it, len(it.ready), self.max_grad_norm)
         return self.reduction.future(reduced, buffer)

@@ -50,8 +50,13 @@ class Updates:
     def side(self):
         """The engine's side stream (read each time: tests swap in a recording one)."""
         return self.engine.side
-    def finish(self, it, count: int, max_norm: float | None = None, follow: bool = False) -> None:
+    def finish(self, it, count: int, max_norm: float | None = None, follow: bool = False,
+               each_bucket: bool = False) -> None:
         """Wait for the first ``count`` ready reductions of iteration ``it`` and update those buckets.
+
+        ``each_bucket`` (overlap="bucket"): every bucket is checked and skipped on its own, also when
+        several are updated in one call (on the CPU the last two are): one non-finite bucket must not
+        take a finite one with it.
 
         On CUDA the waits are made by the side stream, so the backward's own stream never waits
         for communication. ``follow``: the side stream also waits for the current stream (the update
@@ -65,7 +70,8 @@ class Updates:
             for item in todo:
                 for w in item.works:
                     w.wait()
-            self._update(it, todo, max_norm)
+            for group in ([item] for item in todo) if each_bucket else [todo]:
+                self._update(it, group, max_norm)
 
     def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
         """Every parameter's update scalars for this step, one row per parameter (host float32)."""

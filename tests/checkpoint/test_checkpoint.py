@@ -77,6 +77,16 @@ def bf16_resume(rank, world, path):
         train(case, ddp2, opt2, rank, 5, start=6)
         for a, b in zip(model2.parameters(), final):
             assert torch.equal(a.detach(), b), f"{form}: the resumed bf16 run differs from the uninterrupted one"
+        if form == "state_dict":
+            # a master that does not round to its parameter (the weights were not loaded first, or the
+            # dict comes from an optimizer that never updates the entry) is refused, and changes nothing
+            stale = copy.deepcopy(sd)
+            first = next(iter(stale["state"]))
+            stale["state"][first]["fp32_master"] = stale["state"][first]["fp32_master"] + 0.25
+            before = snapshot(opt2, model2)
+            with pytest.raises(StateDictError, match="does not round to the parameter"):
+                opt2.load_state_dict(stale)
+            assert_unchanged(before, opt2, model2)
         opt2._engine.close()
     # torch.optim continues from our dict: fp32 masters as its weights, our moments as its state
     ref_model.load_state_dict(weights)
@@ -143,13 +153,15 @@ def refused_and_helpers(rank, world, path):
         "one_rank": (edited(lambda sd: sd["state"][first]["exp_avg"].view(-1).__setitem__(0, float("inf")))
                      if rank == 1 else good, "non-finite"),
     }
-    # a truncated file: the loader must refuse whatever torch.load or the dict trip over
+    # a dict cut short: its last entry's tensors hold half their elements
+    last = list(good["state"])[-1]
+    bad["truncated"] = (edited(lambda sd: sd["state"][last].update(
+        {k: v.reshape(-1)[: v.numel() // 2] for k, v in sd["state"][last].items() if k != "step"})), "has shape")
+    # a file cut short does not even reach the optimizer: torch.load refuses it
     buf = io.BytesIO()
     torch.save(good, buf)
-    try:
-        bad["truncated"] = (torch.load(io.BytesIO(buf.getvalue()[: len(buf.getvalue()) // 2])), "")
-    except Exception:
-        pass
+    with pytest.raises(Exception):  # noqa: B017 -- whichever error the unpickler trips over
+        torch.load(io.BytesIO(buf.getvalue()[: len(buf.getvalue()) // 2]))
     before = snapshot(opt, model)
     for name, (sd, fragment) in bad.items():
         with pytest.raises(StateDictError, match=None) as info:

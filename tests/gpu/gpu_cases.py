@@ -146,6 +146,19 @@ def _close(mine, theirs, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+def case_kernels_exact():
+    """The compiled kernels against their exact reference (tests/kernels/kernel_reference.py): with FP
+    fusion off, div_rn and sqrt_rn, the GPU's arithmetic is the reference's, bit for bit."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "kernels"))
+    import test_kernel_exact as exact
+
+    cases = [("adam", v) for v in exact.ADAM_VARIANTS] + [("sgd", v) for v in exact.SGD_VARIANTS]
+    found = [f"{kind} {variant}: {diff}" for kind, variant in cases
+             if (diff := exact.run(kind, *variant, device="cuda"))]
+    if found:
+        raise AssertionError("\n".join(found))
+
+
 def case_kernels():
     for opt_name in ("AdamW", "Adam", "SGD"):
         for low in (torch.float32, torch.bfloat16, torch.float16):
@@ -234,47 +247,128 @@ def case_engine_world1():
     run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
 
 
-def _no_host_sync(rank, world):
-    """GradScaler on fp16 with fp32 masters, an inf on some steps: after the warm-up iterations (DDP
-    rebuilds its buckets), the backward and the step run under torch's sync debug mode set to "error",
-    so any host synchronization on the step path (a .item(), a blocking copy) fails the case."""
+class _HostWaits:
+    """Counts the host waits torch's sync debug mode does not flag (an event's or a stream's
+    ``synchronize()``, ``torch.cuda.synchronize()``) while installed."""
+
+    def __init__(self):
+        self.counts = {"event": 0, "stream": 0, "device": 0}
+        self._real = (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize)
+
+    def __enter__(self):
+        ev, st, dev = self._real
+        counts = self.counts
+
+        def event_sync(event):
+            counts["event"] += 1
+            return ev(event)
+
+        def stream_sync(stream):
+            counts["stream"] += 1
+            return st(stream)
+
+        def device_sync(device=None):
+            counts["device"] += 1
+            return dev(device)
+
+        torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize = \
+            event_sync, stream_sync, device_sync
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize = self._real
+
+
+SYNC_FREE_CONFIGS = [(o, sync, graph, scaler) for o in ("bucket", "backward", "step") for sync in ("step", "forward")
+                     for graph in ("plain", "find_unused") for scaler in ((False, True) if o != "bucket" else (False,))]
+
+
+def _no_host_sync(rank, world, device_index):
+    """After the warm-up iterations (DDP rebuilds its buckets), in every overlap mode x param_sync x
+    find_unused_parameters x GradScaler (fp16 with fp32 masters and an inf on some steps; else fp32):
+    the backward and the step run under torch's sync debug mode set to "error", so any host
+    synchronization on the step path (a .item(), a blocking copy) fails; and the event waits that mode
+    does not see are counted: at most one per iteration (the step counts, docs/design.md "Streams" edge
+    6), no stream or device synchronize. With find_unused_parameters DDP's own reducer reads its used
+    map on the host each backward, so there only the counted waits are checked."""
     from scenarios import VOCAB, OddNet, batch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    device = torch.device("cuda", 0)
-    for overlap in ("step", "backward"):
+    device = torch.device("cuda", device_index)
+    found = []
+    for overlap, sync, graph, with_scaler in SYNC_FREE_CONFIGS:
         torch.manual_seed(1234)
         model = OddNet()
-        model.never.requires_grad_(False)
-        model.to(device=device, dtype=torch.float16)
-        ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.0001)
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
-        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-3, ddp=ddp, overlap=overlap, grad_scaler=scaler)
+        if graph == "plain":
+            model.never.requires_grad_(False)
+        model.to(device=device, dtype=torch.float16 if with_scaler else torch.float32)
+        ddp = DDP(model, device_ids=[device_index], bucket_cap_mb=0.0001,
+                  find_unused_parameters=graph == "find_unused")
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10) if with_scaler else None
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-3, ddp=ddp, overlap=overlap, param_sync=sync,
+                               grad_scaler=scaler)
+        waits = _HostWaits()
+        steady = 0
         for step in range(1, 9):
             x, y = (t.to(device) for t in batch(step, 0, rank))
             if step > 3:
-                torch.cuda.set_sync_debug_mode("error")
+                steady += 1
+                waits.__enter__()
+                if graph == "plain":
+                    torch.cuda.set_sync_debug_mode("error")
             try:
-                loss = F.cross_entropy(ddp(x, use_branch=True).float().reshape(-1, VOCAB), y.reshape(-1))
-                if step in (5, 7):
+                loss = F.cross_entropy(ddp(x, use_branch=graph == "plain" or step % 2 == 0).float()
+                                       .reshape(-1, VOCAB), y.reshape(-1))
+                if scaler is not None and step in (5, 7):
                     loss = loss * float("inf")
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        if opt.skipped_steps != 2:
-            raise AssertionError(f"overlap={overlap}: {opt.skipped_steps} skipped steps, expected 2")
+                if step > 3:
+                    waits.__exit__()
+        what = f"world {world} overlap={overlap} param_sync={sync} {graph} scaler={with_scaler}"
+        if scaler is not None and opt.skipped_steps != 2:
+            found.append(f"{what}: {opt.skipped_steps} skipped steps, expected 2")
+        c = waits.counts
+        if c["event"] > steady or c["stream"] or c["device"]:
+            found.append(f"{what}: host waits over {steady} iterations: {c}")
         opt._engine.close()
+    if found:
+        raise AssertionError("\n".join(found))
 
 
 def case_no_host_sync():
+    """At world 1 (NCCL), and at world 2: NCCL on two GPUs, else two gloo ranks sharing one."""
     from fused_zero.demo.spawn import run_ranks
 
-    run_ranks(_no_host_sync, 1, backend="nccl", timeout=300)
+    run_ranks(_no_host_sync, 1, 0, backend="nccl", timeout=300)
+    if torch.cuda.device_count() >= 2:
+        run_ranks(_no_host_sync_per_rank, 2, backend="nccl", timeout=300)
+    else:
+        outs = run_ranks(_no_host_sync_shared, 2, backend="gloo", timeout=300)
+        if any(o.startswith("skip") for o in outs):
+            print(f"world 2 not checked: {outs[0]}")
+
+
+def _no_host_sync_per_rank(rank, world):
+    torch.cuda.set_device(rank)
+    _no_host_sync(rank, world, rank)
+
+
+def _no_host_sync_shared(rank, world):
+    reason = _gloo_cuda_probe(world)
+    if reason:
+        return reason
+    _no_host_sync(rank, world, 0)
+    return "ok"
 
 
 def case_engine_sanitized():
@@ -287,25 +381,43 @@ def case_engine_sanitized():
     run_ranks(_world1, 1, 4, backend="nccl", timeout=300)
 
 
+_GLOO_CUDA_UNSUPPORTED = ("unsupported", "not supported", "no backend type associated with device type cuda",
+                          "invalid device", "is not implemented for cuda")
+"""What gloo says when it cannot run a collective on CUDA tensors: the only errors the probe skips on."""
+
+
+def _gloo_cuda_probe(world) -> str | None:
+    """None when this torch's gloo runs every collective fused_zero issues on CUDA tensors; else the skip
+    reason, naming the collective and gloo's message. Any other error is raised: it is a failure."""
+    from fused_zero.pipeline import collectives
+
+    dev = torch.device("cuda", 0)
+    t = torch.ones(4 * world, device=dev)
+    out = torch.empty(4, device=dev)
+    probes = [("reduce_scatter", lambda: collectives.reduce_scatter(out, t, None, async_op=False)),
+              ("all_gather", lambda: collectives.all_gather(t, out, None, async_op=False)),
+              ("all_to_all_single", lambda: collectives.all_to_all_single(
+                  torch.empty(4 * world, device=dev), t, [4] * world, [4] * world, None)),
+              ("all_reduce", lambda: collectives.all_reduce(out, None).wait())]
+    for name, probe in probes:
+        try:
+            probe()
+            torch.cuda.synchronize()
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            message = str(e).splitlines()[0]
+            if not any(m in message.lower() for m in _GLOO_CUDA_UNSUPPORTED):
+                raise
+            return f"skip: gloo in torch {torch.__version__} does not run {name} on CUDA tensors: {message}"
+    return None
+
+
 def _shared_gpu(rank, world):
     """Two gloo ranks on one GPU: first check that this torch's gloo takes CUDA tensors for every
     collective fused_zero issues, then the engine in each mode against DDP + torch.optim."""
-    import torch.distributed as dist
-
-    from fused_zero.pipeline.collectives import all_gather, reduce_scatter
-
     dev = torch.device("cuda", 0)
-    try:
-        t = torch.ones(4 * world, device=dev)
-        out = torch.empty(4, device=dev)
-        reduce_scatter(out, t, None, async_op=False)
-        all_gather(t, out, None, async_op=False)
-        dist.all_to_all_single(torch.empty(4 * world, device=dev), t, [4] * world, [4] * world)
-        dist.all_reduce(out, async_op=True).wait()
-        torch.cuda.synchronize()
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        return f"skip: gloo in torch {torch.__version__} does not run fused_zero's collectives on CUDA " \
-               f"tensors: {type(e).__name__}: {str(e).splitlines()[0]}"
+    reason = _gloo_cuda_probe(world)
+    if reason:
+        return reason
     changes = 0
     modes = (("bucket", "reduce_scatter"), ("backward", "all_reduce"), ("step", "reduce_scatter"))
     for overlap, grad_reduce in modes:

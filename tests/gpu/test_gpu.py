@@ -35,6 +35,10 @@ def test_kernels_against_torch_optim():
     run_case("kernels")
 
 
+def test_kernels_equal_their_exact_reference():
+    run_case("kernels_exact")
+
+
 def test_engine_world1_every_mode():
     run_case("engine_world1")
 

@@ -200,8 +200,9 @@ def assert_close_fp32(mine, theirs, what="parameter"):
     """Equal to 1e-6 relative, measured against the tensor's scale.
 
     Where bits differ, it is by an ulp of an intermediate: torch's vectorised CPU lerp uses a fused
-    multiply-add (its scalar tail does not), and elements whose moments nearly cancel then differ in
-    the last bit of a small number. `test_most_bits_are_identical` bounds how often that happens.
+    multiply-add (its scalar tail does not), and its float32 sqrt is not correctly rounded, and
+    elements whose moments nearly cancel then differ in the last bit of a small number. The exact
+    check is against the kernels' own reference (test_kernel_exact.py).
     """
     scale = float(theirs.abs().max()) if theirs.numel() else 0.0
     torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6 * scale + 1e-12,
@@ -308,23 +309,6 @@ def test_layout_at_alignment_one_through_the_kernels():
             buf.copy_(gathered)
     for mine, theirs in zip(param_bufs[0].split(numels), ref):
         assert_close_fp32(mine, theirs.detach().reshape(-1))
-
-
-@pytest.mark.parametrize("cls,options", [(torch.optim.AdamW, {"amsgrad": True}),
-                                         (torch.optim.SGD, {"momentum": 0.9})], ids=["adamw", "sgd"])
-def test_most_bits_are_identical(cls, options):
-    """Report how many fp32 parameters are bit-identical to torch.optim after 20 steps.
-
-    torch's vectorised CPU kernels use fused multiply-adds for add(alpha=), addcmul and lerp while the
-    interpreter rounds every product, so a last-bit difference on a fraction of elements is expected
-    (about 12% for AdamW, 26% for SGD here); a wrong formula or order would leave almost none equal.
-    """
-    ours, ref, _ = run_parity(cls, options, world=3, param_dtype=torch.float32,
-                              grad_dtype=torch.float32, master=False)
-    same = sum(int((a == b).sum()) for a, b in zip(ours, ref))
-    total = sum(a.numel() for a in ours)
-    print(f"{cls.__name__}: {same}/{total} parameters bit-identical to torch.optim after {STEPS} steps")
-    assert same / total >= 0.5
 
 
 def test_grad_scale_and_clip_match_scaled_reference():

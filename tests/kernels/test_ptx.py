@@ -5,8 +5,9 @@ vector path really vectorizes (alignment hints are no-ops there), whether a vari
 whether registers spill. ``triton.compile`` can, with no GPU: this file compiles each variant with the
 specialization the JIT gives 16-byte aligned tensors and checks the PTX:
 
-- fp32 streams load and store with ``ld.global.v4.b32`` / ``st.global.v4.b32`` (16 bytes);
-- 16-bit parameter and gradient streams with ``.v2.b32`` (8 bytes) or wider;
+- every stream on the vector path, counted one by one: each fp32 stream (gradient, master, moments,
+  fp32 parameter) loads and stores with exactly two ``.v4.b32`` accesses per thread (16 bytes), each
+  16-bit one with two ``.v2.b32`` (8 bytes), so a single stream that loses its alignment hint fails;
 - the update kernels move nothing through shared memory (one layout for every stream: see VEC in
   kernels/segments.py), and no variant uses local memory (``.local`` in the PTX, or spill/stack bytes
   in the cubin's resource usage).
@@ -77,7 +78,9 @@ def compile_one(job: tuple[int, int]) -> dict:
     except Exception as e:  # reported, not raised: the test names every failing variant
         return {**result, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
     ptx = k.asm["ptx"]
-    result["ops"] = sorted(set(re.findall(r"\b(?:ld|st)\.(?:global|shared|local)[.\w]*", ptx)))
+    found = re.findall(r"\b(?:ld|st)\.(?:global|shared|local)[.\w]*", ptx)
+    result["ops"] = sorted(set(found))
+    result["counts"] = {op: found.count(op) for op in result["ops"]}
     result["ptx_local"] = bool(re.search(r"\.local\b", ptx))
     result["resources"] = None
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -136,6 +139,45 @@ def test_no_variant_uses_local_memory(compiled):
         assert not r["ptx_local"], f"{describe(r)}: .local in the PTX"
         if r["resources"] is not None:
             assert r["resources"] == {"stack": 0, "local": 0}, f"{describe(r)}: {r['resources']}"
+
+
+def streams(r: dict) -> dict[str, list[tuple[str, str]]]:
+    """The variant's streams on the vector path, ``{"ld": [(name, dtype), ...], "st": [...]}``: what the
+    kernel reads and writes per element (the scalar operands, loaded once per program, are not
+    streams)."""
+    kernel, flags, low = r["kernel"], r["flags"], r["param"]
+    weight = [("master", "fp32")] if r["master"] else [("param", low)]
+    if kernel == "norm":
+        return {"ld": [("grad", r["grad"])], "st": []}
+    if kernel == "adam":
+        moments = [("exp_avg", "fp32"), ("exp_avg_sq", "fp32")] + \
+            ([("max_exp_avg_sq", "fp32")] if flags.get("AMSGRAD") else [])
+    else:
+        moments = [("momentum_buffer", "fp32")] if flags.get("HAS_MOMENTUM") else []
+    stores = moments + ([("master", "fp32")] if r["master"] else []) + [("param", low)]
+    return {"ld": [("grad", r["grad"])] + weight + moments, "st": stores}
+
+
+PER_STREAM = 2
+"""Vector accesses per stream and per thread on the aligned path: BLOCK = 2048 elements over 8 warps is
+8 elements a thread, VEC = 4 per access."""
+
+
+def test_every_stream_is_vectorized(compiled):
+    """Exact counts of vector accesses, stream by stream: fp32 streams ``.v4.b32`` (16 bytes), 16-bit
+    ones ``.v2.b32`` (8 bytes), PER_STREAM of each per stream. A stream whose alignment hint is lost
+    goes scalar and takes its two vector accesses out of the count (the gradient's, in Adam fp32: 8
+    ``ld.global.v4.b32`` become 6), whichever stream it is."""
+    for r in compiled:
+        if "error" in r:
+            continue
+        want: dict[str, int] = {}
+        for kind, listed in streams(r).items():
+            for _, dtype in listed:
+                op = f"{kind}.global.{'v4' if dtype == 'fp32' else 'v2'}.b32"
+                want[op] = want.get(op, 0) + PER_STREAM
+        got = {op: n for op, n in r["counts"].items() if ".v" in op}
+        assert got == want, f"{describe(r)}: vector accesses {got}, the streams {streams(r)} need {want}"
 
 
 def test_vector_path_streams_16_bytes_fp32_and_8_bytes_16_bit(compiled):

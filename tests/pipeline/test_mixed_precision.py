@@ -2,8 +2,9 @@
 clip_grad_norm_, against DDP + torch.optim (see amp_scenarios.py)."""
 
 
+import pytest
 import torch
-from amp_scenarios import AmpCase, run_amp_cases, run_user_clip
+from amp_scenarios import POSITIONS, AmpCase, run_amp_case, run_amp_cases, run_user_clip
 from distributed import run_ranks
 from expect import raises
 from scenarios import OddNet, batch
@@ -42,6 +43,33 @@ def _check(results, cases):
 
 def test_parity_two_ranks():
     _check(run_ranks(run_amp_cases, 2, CASES_2), CASES_2)
+
+
+# bucket mode checks and skips each bucket on its own: one poisoned bucket (on one rank) at each
+# position, the rest of the step goes on (on the CPU the last two buckets are updated in one call)
+BUCKET_CASES = [AmpCase(overlap="bucket", dtype=F32, scaler=False, bucket=at, bucket_cap_mb=0.0001)
+                for at in POSITIONS]
+
+
+def test_one_non_finite_bucket_skips_itself_alone():
+    _check(run_ranks(run_amp_cases, 2, BUCKET_CASES), BUCKET_CASES)
+
+
+def _detected(rank, world, case):
+    try:
+        run_amp_case(case, rank, world)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("how", ["skip", "double"])
+def test_bf16_check_catches_a_wrong_step_of_one_parameter(how):
+    """The 16-bit comparison is tight enough to see one LayerNorm weight's step skipped (or applied
+    twice) at step 8 of 10: near 1, a bf16 ulp is about one Adam step, which rtol=2**-6 let pass."""
+    case = AmpCase(overlap="step", dtype=BF16, scaler=False, inject=(), breaks=(how, 8, "norm.weight"))
+    found = run_ranks(_detected, 2, case)
+    assert all(f is not None and "step 8 norm.weight" in f for f in found), found
 
 
 CASES_4 = [AmpCase(overlap="backward", inject=(2,), steps=4)]

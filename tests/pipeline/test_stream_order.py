@@ -184,10 +184,10 @@ def _forward_wait_skipped(self, module, args):
 
 
 def _finish_without_waiting(real):
-    def finish_without_waiting(self, it, count, max_norm=None, follow=False):
+    def finish_without_waiting(self, it, count, *args, **kwargs):
         for item in it.ready[:count]:
             item.works = []
-        return real(self, it, count, max_norm, follow)
+        return real(self, it, count, *args, **kwargs)
     return finish_without_waiting
 
 
