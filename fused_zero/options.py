@@ -17,6 +17,7 @@ OVERLAPS = ("bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_FORMATS = ("fp32", "bf16", "int8")
 PARAM_SYNCS = ("step", "forward")
 ON_NONFINITES = ("skip", "raise")
 
@@ -41,6 +42,13 @@ class ShardingOptions:
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
         checkpoint_handshake: let rank 0 call ``state_dict()`` alone (a per-iteration handshake through
             the process group's store, see checkpoint/rank0.py); False: call it on every rank.
+        state_format: how the moments (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) are kept:
+            "fp32" (default), "bf16", or "int8" (8 bits with one fp32 scale per block of up to 2048
+            elements; kernels/formats.py). One format for every param group.
+        stochastic_rounding: bf16 parameters without fp32 master weights, the update's fp32 result
+            rounded to bf16 stochastically (unbiased), with random bits drawn from ``seed``, the step
+            and the element's place in its parameter: reproducible, and the same at any world size.
+        seed: the stochastic rounding's seed.
     """
 
     grad_reduce: str = "reduce_scatter"
@@ -52,6 +60,9 @@ class ShardingOptions:
     grad_scaler: object = None
     on_nonfinite: str = "skip"
     checkpoint_handshake: bool = True
+    state_format: str = "fp32"
+    stochastic_rounding: bool = False
+    seed: int = 0
 
     def __post_init__(self):
         _check_choice("overlap", self.overlap, OVERLAPS)
@@ -62,6 +73,14 @@ class ShardingOptions:
         if self.grad_scaler is not None and self.overlap == "bucket":
             raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
                              "a bucket is updated before the later buckets' overflow check is known")
+        _check_choice("state_format", self.state_format, STATE_FORMATS)
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(f"stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
+        if self.stochastic_rounding and self.master_weights:
+            raise ValueError("stochastic_rounding rounds bf16 parameters that have no fp32 master: it cannot be "
+                             "combined with master_weights=True")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.checkpoint_handshake, bool):
             raise ValueError(f"checkpoint_handshake must be True or False, got {self.checkpoint_handshake!r}")
         if self.max_grad_norm is not None:
@@ -86,7 +105,16 @@ class ShardingOptions:
 
     def keeps_master(self, dtype: torch.dtype) -> bool:
         """Whether parameters of ``dtype`` get fp32 master weights."""
-        return dtype != torch.float32 and self.master_weights is not False
+        return dtype != torch.float32 and self.master_weights is not False and not self.stochastic_rounding
+
+    def check_params(self, params: list[torch.Tensor]) -> None:
+        """Stochastic rounding writes bf16: every parameter must be one."""
+        if self.stochastic_rounding:
+            others = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
+            if others:
+                raise ValueError(f"stochastic_rounding rounds fp32 results to bf16 parameters, and this model has "
+                                 f"{', '.join(others)} parameters: convert the model to bf16 (model.bfloat16()), "
+                                 "or keep master weights for 16-bit parameters and drop stochastic_rounding")
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -6,12 +6,14 @@ Set ``TRITON_INTERPRET=1`` before importing to run them on CPU tensors through T
 """
 
 from .adam import ADAM_COEFS, N_ADAM_COEFS, adam_coefficients, adam_step
+from .formats import BF16, FP32, INT8, sr_key
 from .norm import grad_sumsq
-from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, SCALAR_BLOCK, VEC, Segments, vector_elements
+from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, SCALAR_BLOCK, VEC, Segments, row_table, vector_elements
 from .sgd import N_SGD_COEFS, SGD_COEFS, sgd_coefficients, sgd_step
 
 __all__ = [
-    "ADAM_COEFS", "BLOCK", "COLUMNS", "N_ADAM_COEFS", "N_SGD_COEFS", "PIECE_COLUMNS", "SCALAR_BLOCK", "SGD_COEFS",
-    "Segments", "VEC",
-    "adam_coefficients", "adam_step", "grad_sumsq", "sgd_coefficients", "sgd_step", "vector_elements",
+    "ADAM_COEFS", "BF16", "BLOCK", "COLUMNS", "FP32", "INT8", "N_ADAM_COEFS", "N_SGD_COEFS", "PIECE_COLUMNS",
+    "SCALAR_BLOCK", "SGD_COEFS", "Segments", "VEC",
+    "adam_coefficients", "adam_step", "grad_sumsq", "row_table", "sgd_coefficients", "sgd_step", "sr_key",
+    "vector_elements",
 ]

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import BLOCK, SCALAR_BLOCK, VEC, Segments
+from .formats import BF16, FP32, INT8, round_stochastic_bits, to_bf16_bits
+from .segments import BLOCK, BLOCK_INDEX, COLUMNS, SCALAR_BLOCK, VEC, VECTOR, Segments
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # triton.jit decides between compiling and interpreting when the kernels are defined, at import
@@ -27,17 +28,20 @@ GPU's arithmetic; torch's CUDA kernels fuse some multiply-adds, hence a last-bit
 torch.optim on the GPU (docs/design.md). Triton 3.10 changes the implicit default; this is explicit."""
 
 
+assert len(COLUMNS) == 8 and VECTOR == 6 and BLOCK_INDEX == 7  # the row layout the jit code below reads
+
+
 @triton.jit
 def row_is_vector(rows_ptr):
     """Whether this program's row of a Segments table is on the aligned vector path."""
-    return tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * 6 + 5) != 0
+    return tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * 8 + 6) != 0
 
 
 @triton.jit
 def open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
              VECTOR: tl.constexpr, VEC: tl.constexpr):
-    """This program's row: its coefficient-row pointer, its element count and its shard/param/grad
-    offsets.
+    """This program's row: its coefficient-row pointer, its element count, its shard/param/grad
+    offsets, and a pointer to the row itself (``elem`` at +5, ``block`` at +7, read where needed).
 
     An inactive parameter (coefficient 0 is zero), or a found inf, shrinks the row to nothing: no
     element is read or written.
@@ -48,7 +52,7 @@ def open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF: tl.constexpr, HAS_FOUND_
     its use, so the hinted values are loads of their own, made on the vector path only: hints on shared
     loads would also reach the scalar path's unaligned rows.
     """
-    base = rows_ptr + tl.program_id(0).to(tl.int64) * 6
+    base = rows_ptr + tl.program_id(0).to(tl.int64) * 8
     shard_off = tl.load(base + 0)
     n = tl.load(base + 1)
     param_off = tl.load(base + 2)
@@ -62,7 +66,7 @@ def open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF: tl.constexpr, HAS_FOUND_
         param_off = tl.multiple_of(param_off, VEC)
         grad_off = tl.multiple_of(grad_off, VEC)
         n = tl.multiple_of(n, VEC)
-    return c, n, shard_off, param_off, grad_off
+    return c, n, shard_off, param_off, grad_off, base
 
 
 @triton.jit
@@ -76,12 +80,16 @@ def load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER: tl.cons
 
 
 @triton.jit
-def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, HAS_MASTER: tl.constexpr,
-                 PARAM_BF16: tl.constexpr):
-    """Write the updated weight: to the master copy if there is one, and to the parameter."""
+def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, sr_key, elem, HAS_MASTER: tl.constexpr,
+                 PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Write the updated weight: to the master copy if there is one, and to the parameter (bf16 without
+    a master: ``STOCHASTIC`` rounds stochastically, see formats.py)."""
     if HAS_MASTER:
         tl.store(master_ptr + s_offs, p, mask=mask)
-    store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
+    if STOCHASTIC:
+        tl.store(param_ptr + p_offs, round_stochastic_bits(p, sr_key, elem).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
 
 
 @triton.jit
@@ -110,11 +118,7 @@ def store_param(param_ptr, offs, value, mask, PARAM_BF16: tl.constexpr):
     recipe on the GPU is what the hardware's round-to-nearest-even produces.
     """
     if PARAM_BF16:
-        bits = value.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(value != value, 0x7FC0, rounded)
-        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(param_ptr + offs, out, mask=mask)
+        tl.store(param_ptr + offs, to_bf16_bits(value).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(param_ptr + offs, value.to(param_ptr.dtype.element_ty), mask=mask)
 
@@ -131,6 +135,41 @@ def check_flat(name: str, t: torch.Tensor | None, device: torch.device, dtypes=F
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {names}")
     if t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+
+
+MOMENT_FORMATS = {torch.float32: FP32, torch.bfloat16: BF16, torch.uint8: INT8}
+"""A moment tensor's dtype is its storage format (formats.py): uint8 holds 8-bit codes."""
+
+
+def check_moments(moments: dict, scales: dict | None, segments: Segments, device: torch.device) -> int:
+    """The one storage format of the given moments (None: absent), checked with its 8-bit scales."""
+    present = {name: t for name, t in moments.items() if t is not None}
+    formats = set()
+    for name, t in present.items():
+        check_flat(name, t, device, dtypes=tuple(MOMENT_FORMATS))
+        formats.add(MOMENT_FORMATS[t.dtype])
+    if len(formats) > 1:
+        dtypes = sorted(str(t.dtype) for t in present.values())
+        raise ValueError(f"the moments must share one storage format, got {dtypes}")
+    fmt = formats.pop() if formats else FP32
+    if fmt == INT8:
+        for name in present:
+            scale = (scales or {}).get(name)
+            if scale is None:
+                raise ValueError(f"8-bit (uint8) {name} needs its scales: scales={{{name!r}: fp32 tensor}}")
+            check_flat(f"scales[{name!r}]", scale, device, dtypes=(torch.float32,))
+            if scale.numel() < segments.n_rows:
+                raise ValueError(f"scales[{name!r}] has {scale.numel()} entries, the table {segments.n_rows} "
+                                 "rows (one scale per row: 8-bit blocks are rows)")
+    elif scales:
+        raise ValueError("scales are for 8-bit (uint8) moments only")
+    return fmt
+
+
+def check_stochastic(stochastic: bool, param: torch.Tensor, master: torch.Tensor | None) -> None:
+    if stochastic and (param.dtype != torch.bfloat16 or master is not None):
+        raise ValueError("stochastic rounding writes bf16 parameters that have no fp32 master: pass a bf16 "
+                         f"param and no master (got {param.dtype}{' and a master' if master is not None else ''})")
 
 
 def check_scalar(name: str, t: torch.Tensor | None, device: torch.device) -> None:
@@ -158,6 +197,6 @@ def grid(segments: Segments) -> tuple[int]:
     return (segments.n_rows,)
 
 
-__all__ = ["BLOCK", "VEC", "FP_FUSION", "NUM_WARPS", "FLOAT_DTYPES", "SCALAR_BLOCK", "row_is_vector", "open_row",
-           "load_weight", "store_weight", "load_grad", "store_param", "check_flat", "check_scalar", "check_coefs",
-           "grid"]
+__all__ = ["BLOCK", "VEC", "FP_FUSION", "NUM_WARPS", "FLOAT_DTYPES", "MOMENT_FORMATS", "SCALAR_BLOCK", "row_is_vector",
+           "open_row", "load_weight", "store_weight", "load_grad", "store_param", "check_flat", "check_moments",
+           "check_scalar", "check_stochastic", "check_coefs", "grid"]

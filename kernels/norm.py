@@ -31,7 +31,7 @@ from .segments import Segments
 
 @triton.jit
 def _grad_sumsq_kernel(
-    rows_ptr,            # int64 [n_rows, 6] Segments table
+    rows_ptr,            # int64 [n_rows, 8] Segments table
     coef_ptr,            # fp32 [n_params, N_COEF]; column 0 active, column 1 grad_div
     grad_ptr,            # gradient buffer, indexed by grad_off
     grad_scale_ptr,      # one-element loss scale (HAS_GRAD_SCALE)
@@ -44,11 +44,11 @@ def _grad_sumsq_kernel(
 ):
     # 16-byte loads on aligned rows, scalar ones on the rest (see adam.py)
     if row_is_vector(rows_ptr):
-        c, n, _, _, g_off = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, True, VEC)
+        c, n, _, _, g_off, _ = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, True, VEC)
         idx = tl.arange(0, BLOCK)
         sumsq, bad = _grad_sumsq_elements(c, idx < n, g_off + idx, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE)
     else:
-        c, n, _, _, g_off = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, False, VEC)
+        c, n, _, _, g_off, _ = open_row(rows_ptr, coef_ptr, coef_ptr, N_COEF, False, False, VEC)
         lane = tl.arange(0, SCALAR_BLOCK)  # a scalar row fits one block (segments.SCALAR_BLOCK);
         # a name of its own: Triton wants one type per name across the branches
         sumsq, bad = _grad_sumsq_elements(c, lane < n, g_off + lane, grad_ptr, grad_scale_ptr, HAS_GRAD_SCALE)

@@ -5,16 +5,20 @@ parameters back to back, with padding the kernels must never touch. A `Segments`
 elements are real: one row per program, each row a run of at most ``BLOCK`` contiguous elements of
 one parameter:
 
-    (shard_off, length, param_off, grad_off, pid, vector)
+    (shard_off, length, param_off, grad_off, pid, elem, vector, block)
 
-``shard_off`` indexes the fp32 state (master weights, moments), ``param_off`` the parameter buffer,
-``grad_off`` the gradient buffer and ``pid`` the row of the per-parameter coefficient table. The three
+``shard_off`` indexes the state (master weights, moments), ``param_off`` the parameter buffer,
+``grad_off`` the gradient buffer and ``pid`` the row of the per-parameter coefficient table; ``elem``
+is the index, within its parameter, of the row's first element (what stochastic rounding draws its
+random bits from, so they depend on no layout), and ``block`` the row's number in the table: 8-bit
+moments keep one scale per row, at that index (kernels/_common.py). The three
 offsets are separate because the three buffers need not share an origin: the state of one rank covers
 every bucket back to back, while the parameter and gradient buffers may be per-bucket, full-size
 allocations owned by someone else.
 
-``vector`` marks the rows of the aligned vector path. Callers pass whole parameter pieces (five
-columns); `Segments.build` cuts each into a ragged head, an aligned middle and a ragged tail. A middle
+``vector`` marks the rows of the aligned vector path. Callers pass whole parameter pieces (five or six
+columns: ``elem`` is 0 where left out); `Segments.build` cuts each into a ragged head, an aligned middle
+and a ragged tail. A middle
 row starts at a multiple of ``VEC`` elements in all three spaces at once and its length is a multiple
 of ``VEC``, so the kernels may tell Triton so (``tl.multiple_of``) and Triton emits vector accesses:
 ``ld.global.v4.b32`` (16 bytes) for fp32 streams, ``ld.global.v2.b32`` (8 bytes) for 16-bit ones. The
@@ -50,12 +54,28 @@ accesses would give them another layout than the fp32 ones', and Triton converts
 shared memory on every element (checked in the PTX). One width for every dtype also keeps one cut of
 the rows per layout."""
 
-PIECE_COLUMNS = ("shard_off", "length", "param_off", "grad_off", "pid")
-COLUMNS = PIECE_COLUMNS + ("vector",)
+PIECE_COLUMNS = ("shard_off", "length", "param_off", "grad_off", "pid", "elem")
+COLUMNS = PIECE_COLUMNS + ("vector", "block")
+VECTOR, BLOCK_INDEX = COLUMNS.index("vector"), COLUMNS.index("block")
+
+
+def pieces_table(pieces) -> torch.Tensor:
+    """A host ``[n, 6]`` int64 table of pieces given with five or six columns (``elem`` 0 if absent)."""
+    host = torch.as_tensor(pieces, dtype=torch.int64, device="cpu")
+    if host.numel() == 0:
+        return torch.zeros(0, len(PIECE_COLUMNS), dtype=torch.int64)
+    if host.dim() == 1:
+        host = host.reshape(1, -1)
+    if host.shape[1] == len(PIECE_COLUMNS) - 1:
+        host = torch.cat([host, torch.zeros(host.shape[0], 1, dtype=torch.int64)], dim=1)
+    if host.shape[1] != len(PIECE_COLUMNS):
+        raise ValueError(f"pieces need 5 or 6 columns {PIECE_COLUMNS}, got {host.shape[1]}")
+    return host
 
 
 def vector_cut(pieces: torch.Tensor) -> torch.Tensor:
-    """Cut ``[n, 5]`` pieces into ``[m, 6]`` rows: ragged head, aligned middle, ragged tail.
+    """Cut ``[n, 6]`` pieces into ``[m, 8]`` rows (``block`` not numbered yet): ragged head, aligned
+    middle, ragged tail.
 
     A piece whose three offsets agree modulo ``VEC`` has a middle from its first ``VEC`` multiple to its
     last; otherwise it is one scalar row. Empty parts are dropped; piece order is kept.
@@ -67,11 +87,11 @@ def vector_cut(pieces: torch.Tensor) -> torch.Tensor:
     tail = n - head - mid
     parts = []
     for start, length, vector in ((0, head, 0), (head, mid, 1), (head + mid, tail, 0)):
-        part = torch.empty(pieces.shape[0], len(COLUMNS), dtype=torch.int64)
-        part[:, :5] = pieces
-        part[:, [0, 2, 3]] += start if isinstance(start, int) else start[:, None]
+        part = torch.zeros(pieces.shape[0], len(COLUMNS), dtype=torch.int64)
+        part[:, :len(PIECE_COLUMNS)] = pieces
+        part[:, [0, 2, 3, 5]] += start if isinstance(start, int) else start[:, None]
         part[:, 1] = length
-        part[:, 5] = vector
+        part[:, VECTOR] = vector
         parts.append(part)
     rows = torch.stack(parts, dim=1).reshape(-1, len(COLUMNS))  # piece-major: head, middle, tail
     return rows[rows[:, 1] > 0]
@@ -79,10 +99,20 @@ def vector_cut(pieces: torch.Tensor) -> torch.Tensor:
 
 def vector_elements(pieces) -> tuple[int, int]:
     """``(elements on the vector path, all elements)`` of pieces (anything ``torch.as_tensor`` takes,
-    five columns): a pure function of the offsets, the share the kernels stream with 16-byte accesses."""
-    host = torch.as_tensor(pieces, dtype=torch.int64).reshape(-1, len(PIECE_COLUMNS))
+    five or six columns): a pure function of the offsets, the share the kernels stream with 16-byte
+    accesses."""
+    host = pieces_table(pieces)
     rows = vector_cut(host[host[:, 1] > 0])
-    return int(rows[rows[:, 5] == 1, 1].sum()), int(host[host[:, 1] > 0, 1].sum())
+    return int(rows[rows[:, VECTOR] == 1, 1].sum()), int(host[host[:, 1] > 0, 1].sum())
+
+
+def row_table(pieces) -> torch.Tensor:
+    """The host ``[m, 8]`` row table of pieces, every row numbered (``block``): what `Segments.build`
+    puts on the device, and what the CPU path cuts its 8-bit blocks by."""
+    host = pieces_table(pieces)
+    rows = _split_long_rows(vector_cut(host[host[:, 1] > 0]))
+    rows[:, BLOCK_INDEX] = torch.arange(rows.shape[0])
+    return rows
 
 
 @dataclass(frozen=True)
@@ -90,7 +120,7 @@ class Segments:
     """A validated row table, on the device the kernels run on.
 
     Attributes:
-        rows: int64 tensor ``[n_rows, 6]`` on the kernel device (columns in ``COLUMNS``).
+        rows: int64 tensor ``[n_rows, 8]`` on the kernel device (columns in ``COLUMNS``).
         shard_extent: one past the largest shard index a row touches (0 for no rows).
         param_extent: same for the parameter buffer.
         grad_extent: same for the gradient buffer; None when the gradient offsets address several
@@ -111,8 +141,8 @@ class Segments:
     @staticmethod
     def build(pieces, device: torch.device | str = "cpu", *, grad_across_allocations: bool = False,
               upload=None) -> Segments:
-        """Check a host table of pieces (anything ``torch.as_tensor`` takes, shape ``[n, 5]``), cut it
-        for the vector path and move it.
+        """Check a host table of pieces (anything ``torch.as_tensor`` takes, ``[n, 5]`` or ``[n, 6]``),
+        cut it for the vector path, number its rows and move it.
 
         Pieces may be whole parameter pieces of any length: rows are split here, vector rows at
         ``BLOCK`` elements, scalar rows at ``SCALAR_BLOCK``.
@@ -122,11 +152,11 @@ class Segments:
         ``upload``: how the host table reaches the device (a callable taking and returning a tensor),
         for callers that must not block: ``.to(device)`` from pageable memory waits for the device.
         """
-        host = torch.as_tensor(pieces, dtype=torch.int64, device="cpu").reshape(-1, len(PIECE_COLUMNS))
+        host = pieces_table(pieces)
         if host.numel() and bool((host < 0).any()):
             bad = host[(host < 0).any(dim=1)][0].tolist()
             raise ValueError(f"segment row {bad} has a negative entry; columns are {PIECE_COLUMNS}")
-        host = _split_long_rows(vector_cut(host[host[:, 1] > 0]))
+        host = row_table(host)
         if host.shape[0]:
             ends = host[:, [0, 2, 3]] + host[:, 1:2]
             shard_extent, param_extent, computed_grad = (int(v) for v in ends.max(dim=0).values)
@@ -160,7 +190,7 @@ def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
     """
     if host.shape[0] == 0:
         return host.contiguous()
-    limit = torch.where(host[:, 5] == 1, BLOCK, SCALAR_BLOCK)
+    limit = torch.where(host[:, VECTOR] == 1, BLOCK, SCALAR_BLOCK)
     if bool((host[:, 1] <= limit).all()):
         return host.contiguous()
     pieces = (host[:, 1] + limit - 1) // limit
@@ -170,8 +200,6 @@ def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
     k = torch.arange(rep.shape[0]) - first  # index of the piece within its row
     shift = k * rep_limit
     out = rep.clone()
-    out[:, 0] += shift
-    out[:, 2] += shift
-    out[:, 3] += shift
+    out[:, [0, 2, 3, 5]] += shift[:, None]
     out[:, 1] = torch.minimum(rep[:, 1] - shift, rep_limit)
     return out.contiguous()

@@ -27,7 +27,9 @@ from ._common import (
     VEC,
     check_coefs,
     check_flat,
+    check_moments,
     check_scalar,
+    check_stochastic,
     grid,
     load_grad,
     load_weight,
@@ -35,20 +37,22 @@ from ._common import (
     row_is_vector,
     store_weight,
 )
+from .formats import load_moment, store_moment
 from .segments import Segments
 
-SGD_COEFS = ("active", "grad_div", "weight_decay", "momentum", "one_minus_dampening", "neg_lr", "first")
+SGD_COEFS = ("active", "grad_div", "weight_decay", "momentum", "one_minus_dampening", "neg_lr", "first", "sr_key")
 N_SGD_COEFS = len(SGD_COEFS)
 
 
 @triton.jit
 def _sgd_kernel(
-    rows_ptr,            # int64 [n_rows, 6] Segments table
+    rows_ptr,            # int64 [n_rows, 8] Segments table
     coef_ptr,            # fp32 [n_params, N_COEF] per-parameter scalars (SGD_COEFS)
     grad_ptr,            # gradient buffer, indexed by grad_off
     master_ptr,          # fp32 master shard, indexed by shard_off (unused without HAS_MASTER)
     param_ptr,           # parameter buffer, indexed by param_off
-    momentum_buf_ptr,    # fp32 shard (unused without HAS_MOMENTUM)
+    momentum_buf_ptr,    # shard in the MOMENTS format (unused without HAS_MOMENTUM)
+    momentum_scale_ptr,  # fp32 per row (block): 8-bit momentum's scales (MOMENTS == INT8)
     grad_scale_ptr,      # one-element loss scale (HAS_GRAD_SCALE)
     found_inf_ptr,       # one-element flag; non-zero means write nothing (HAS_FOUND_INF)
     clip_coef_ptr,       # one-element clip factor (HAS_CLIP)
@@ -61,31 +65,36 @@ def _sgd_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_CLIP: tl.constexpr,
     PARAM_BF16: tl.constexpr,
+    MOMENTS: tl.constexpr,     # FP32, BF16 or INT8 (formats.py)
+    STOCHASTIC: tl.constexpr,  # bf16 parameter without a master, rounded stochastically
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
     SCALAR_BLOCK: tl.constexpr,
 ):
     # the same elementwise code twice: 16-byte accesses on aligned rows, scalar ones on the rest
     if row_is_vector(rows_ptr):
-        c, n, s_off, p_off, g_off = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, True, VEC)
+        c, n, s_off, p_off, g_off, row = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, True,
+                                                  VEC)
         idx = tl.arange(0, BLOCK)
-        _sgd_elements(c, idx < n, s_off + idx, p_off + idx, g_off + idx, grad_ptr, master_ptr, param_ptr,
-                      momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
-                      MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
+        _sgd_elements(c, n, idx < n, s_off + idx, p_off + idx, g_off + idx, row, idx, grad_ptr, master_ptr,
+                      param_ptr, momentum_buf_ptr, momentum_scale_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER,
+                      HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16, MOMENTS, STOCHASTIC)
     else:
-        c, n, s_off, p_off, g_off = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, False, VEC)
+        c, n, s_off, p_off, g_off, row = open_row(rows_ptr, coef_ptr, found_inf_ptr, N_COEF, HAS_FOUND_INF, False,
+                                                  VEC)
         lane = tl.arange(0, SCALAR_BLOCK)  # a scalar row fits one block (segments.SCALAR_BLOCK);
         # a name of its own: Triton wants one type per name across the branches
-        _sgd_elements(c, lane < n, s_off + lane, p_off + lane, g_off + lane, grad_ptr, master_ptr, param_ptr,
-                      momentum_buf_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER, HAS_MOMENTUM, NESTEROV,
-                      MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16)
+        _sgd_elements(c, n, lane < n, s_off + lane, p_off + lane, g_off + lane, row, lane, grad_ptr, master_ptr,
+                      param_ptr, momentum_buf_ptr, momentum_scale_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER,
+                      HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_GRAD_SCALE, HAS_CLIP, PARAM_BF16, MOMENTS, STOCHASTIC)
 
 
 @triton.jit
-def _sgd_elements(c, mask, s_offs, p_offs, g_offs, grad_ptr, master_ptr, param_ptr, momentum_buf_ptr,
-                  grad_scale_ptr, clip_coef_ptr, HAS_MASTER: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                  NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
-                  HAS_CLIP: tl.constexpr, PARAM_BF16: tl.constexpr):
+def _sgd_elements(c, n, mask, s_offs, p_offs, g_offs, row, lanes, grad_ptr, master_ptr, param_ptr, momentum_buf_ptr,
+                  momentum_scale_ptr, grad_scale_ptr, clip_coef_ptr, HAS_MASTER: tl.constexpr,
+                  HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, PARAM_BF16: tl.constexpr,
+                  MOMENTS: tl.constexpr, STOCHASTIC: tl.constexpr):
     grad_div = tl.load(c + 1)
     weight_decay = tl.load(c + 2)
     momentum = tl.load(c + 3)
@@ -99,32 +108,44 @@ def _sgd_elements(c, mask, s_offs, p_offs, g_offs, grad_ptr, master_ptr, param_p
 
     g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
     if HAS_MOMENTUM:
-        buf = tl.load(momentum_buf_ptr + s_offs, mask=mask, other=0.0)
+        if MOMENTS == 2:
+            block = tl.load(row + 7)  # this row is one 8-bit block: its scale sits at its row number
+        else:
+            block = 0
+        buf = load_moment(momentum_buf_ptr, momentum_scale_ptr, block, s_offs, mask, MOMENTS, True)
         buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)
-        tl.store(momentum_buf_ptr + s_offs, buf, mask=mask)
+        store_moment(momentum_buf_ptr, momentum_scale_ptr, block, s_offs, buf, mask, n, MOMENTS, True)
         if NESTEROV:
             g = g + momentum * buf
         else:
             g = buf
     p = p + neg_lr * g
-    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, HAS_MASTER, PARAM_BF16)
+    if STOCHASTIC:
+        key = tl.load(c + 7).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        elem = tl.load(row + 5) + lanes
+    else:
+        key = 0
+        elem = lanes
+    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, key, elem, HAS_MASTER, PARAM_BF16, STOCHASTIC)
 
 
 def sgd_coefficients(*, lr, momentum, dampening, weight_decay, first,
-                     grad_div=1.0, active=True) -> torch.Tensor:
+                     grad_div=1.0, active=True, sr_key=0) -> torch.Tensor:
     """Per-parameter scalars for `sgd_step`, as a float32 ``[n_params, N_SGD_COEFS]`` CPU tensor.
 
     Every argument is a scalar or a sequence with one entry per parameter; ``first`` is true where the
-    momentum buffer is created by this step.
+    momentum buffer is created by this step; ``sr_key`` as in adam_coefficients.
     """
     lr, momentum, dampening, wd, first, grad_div, active = np.broadcast_arrays(
         *(np.asarray(x, dtype=np.float64) for x in
           (lr, momentum, dampening, weight_decay, first, grad_div, active)))
     cols = np.stack([
         (active != 0).astype(np.float64), grad_div, wd, momentum, 1 - dampening, -lr,
-        (first != 0).astype(np.float64),
-    ], axis=-1).reshape(-1, N_SGD_COEFS)
-    return torch.from_numpy(cols.astype(np.float32))
+        (first != 0).astype(np.float64), np.zeros_like(lr),
+    ], axis=-1).reshape(-1, N_SGD_COEFS).astype(np.float32)
+    cols[:, -1] = np.broadcast_to(np.asarray(sr_key, dtype=np.int64) & 0xFFFFFFFF, cols.shape[:1]) \
+        .astype(np.uint32).view(np.float32)
+    return torch.from_numpy(cols)
 
 
 def sgd_step(
@@ -135,6 +156,8 @@ def sgd_step(
     param: torch.Tensor,
     momentum_buffer: torch.Tensor | None = None,
     master: torch.Tensor | None = None,
+    scales: dict[str, torch.Tensor] | None = None,
+    stochastic: bool = False,
     nesterov: bool = False,
     maximize: bool = False,
     grad_scale: torch.Tensor | None = None,
@@ -144,12 +167,14 @@ def sgd_step(
     """One SGD update of every row of ``segments``, in place, in one launch.
 
     Without ``momentum_buffer`` the update is plain SGD (torch's ``momentum=0``); ``nesterov`` needs it.
+    ``momentum_buffer``'s dtype is its format, ``scales``/``stochastic`` as in adam_step.
     """
     device = param.device
     check_flat("grad", grad, device)
     check_flat("param", param, device)
-    for name, t in (("momentum_buffer", momentum_buffer), ("master", master)):
-        check_flat(name, t, device, dtypes=(torch.float32,))
+    check_flat("master", master, device, dtypes=(torch.float32,))
+    moments = check_moments({"momentum_buffer": momentum_buffer}, scales, segments, device)
+    check_stochastic(stochastic, param, master)
     for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
         check_scalar(name, t, device)
     if nesterov and momentum_buffer is None:
@@ -163,9 +188,10 @@ def sgd_step(
         return
     _sgd_kernel[grid(segments)](
         segments.rows, coefs, grad,
-        master if master is not None else param,
+        master if master is not None else coefs,
         param,
-        momentum_buffer if momentum_buffer is not None else param,
+        momentum_buffer if momentum_buffer is not None else coefs,
+        (scales or {}).get("momentum_buffer", coefs),
         grad_scale if grad_scale is not None else coefs,
         found_inf if found_inf is not None else coefs,
         clip_coef if clip_coef is not None else coefs,
@@ -178,6 +204,8 @@ def sgd_step(
         HAS_FOUND_INF=found_inf is not None,
         HAS_CLIP=clip_coef is not None,
         PARAM_BF16=param.dtype == torch.bfloat16,
+        MOMENTS=moments,
+        STOCHASTIC=stochastic,
         VEC=VEC,
         BLOCK=BLOCK,
         SCALAR_BLOCK=SCALAR_BLOCK,

@@ -2,6 +2,12 @@
 ranks' regions: a ``state_dict()`` of ours loads into ``torch.optim.AdamW`` (or Adam, SGD), and
 theirs into ours, at any world size and bucket layout.
 
+Moments stored compact (bf16, 8 bits) are decoded to fp32 here, so the dict is torch.optim's; the
+format is recorded under the top-level key ``"fused_zero"`` (torch.optim ignores it), and a load encodes
+into whatever format the loading optimizer keeps: a dict from an 8-bit optimizer reloads into one at
+the same layout to the same codes (decoding then encoding a block gives back its codes and scale), and
+changing the format at load (fp32 into 8 bits, and back) is just that encoding.
+
 bf16/fp16 parameters carry one more entry, ``"fp32_master"`` (checks.MASTER_KEY): the fp32 master
 weights, without which a resumed run restarts from rounded weights and drifts. torch.optim's
 ``load_state_dict`` keeps unknown keys as they are (cast to the parameter's dtype like the rest) and its
@@ -28,7 +34,7 @@ def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | Non
     """Write the whole bucket's values of one state tensor into ``out`` (bucket order; None on ranks
     other than ``to``). A collective."""
     layout: BucketLayout = shard.layout
-    region = shard.state[name]
+    region = shard.values(name)  # decoded to fp32 where the moments are stored compact
     mine, tail = slice(*layout.region_slice(engine.rank)), slice(*layout.region_tail(engine.rank))
     if layout.shard:
         if engine.world == 1:
@@ -114,7 +120,10 @@ def gather_state_dict(engine, to: int | None) -> dict | None:
         return None
     # torch.optim's order: step first, then the state tensors
     state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(state.items())}
-    return {"state": state, "param_groups": packed_groups(opt, index)}
+    out = {"state": state, "param_groups": packed_groups(opt, index)}
+    if engine.options.state_format != "fp32":  # torch.optim ignores the key; the moments above are decoded
+        out["fused_zero"] = {"state_format": engine.options.state_format}
+    return out
 
 
 def load_state_dict(engine, sd) -> None:
@@ -169,19 +178,23 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     engine.algo.refresh(opt.param_groups)
     engine.synchronize()
     for shard in engine.shards():
-        for region in shard.state.values():
-            region.zero_()
         shard.init_master_from_params()
+        filled = {name: shard.state["master"] if name == "master" else
+                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
+                  for name in shard.state}
         for piece in shard.layout.pieces(engine.rank):
             pid = shard.layout.pids[piece.local]
             saved = entries[pid]
-            for name, region in shard.state.items():
+            for name, region in filled.items():
                 value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
                 flat = memory_order(value.detach(), engine.params[pid])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
+        for name, region in filled.items():
+            if name != "master":  # encoded in the moments' format, block by block as an update would
+                shard.store_values(name, region)
     for pid, saved in entries.items():
         engine.steps[pid] = saved_step(engine, saved)
 
@@ -222,7 +235,8 @@ def local_entry(engine, pid: int) -> dict:
     if engine.algo.kind == "adam":
         entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
     engine.synchronize()
-    for name, region in shard.state.items():
+    for name in shard.state:
+        region = shard.values(name)
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()
         entry[MASTER_KEY if name == "master" else name] = value

@@ -18,6 +18,13 @@ thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
 ``state.<i>.step`` is a plain tensor (replicated; DCP writes it once); ``fused_zero`` holds the param
 groups and records the optimizer kind, state names and parameter shapes, so that a mismatch is named
 before anything loads.
+
+Compact moments (``state_format``, update/formats.py) are saved decoded to fp32, as the canonical dict
+holds them: 8-bit blocks follow the layout (the kernel rows), so codes saved as stored would load only
+at the very layout they were saved in, and a fresh process starts in another one (DDP's first
+buckets). Decoded, a checkpoint of any format loads into any format, at any world size or layout; the
+cost is fp32 on disk and one fp32 copy of the rank's own state while saving (the decoding; the chunks
+are views of it), the same copy an fp32 optimizer makes. A load encodes each region once, as an update would.
 """
 
 from __future__ import annotations
@@ -61,15 +68,19 @@ def sharded_state_dict(engine) -> dict:
     """A collective only in that every rank must call it (no communication happens)."""
     engine.synchronize()
     index = canonical.param_index(engine.opt)
-    state = {}
+    state, decoded = {}, {}
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
         runs = shard.layout.owners(local, engine.rank)
         metas = [ShardMetadata([lo], [hi - lo], f"rank:{_owner(owner)}/{engine.device}")
                  for lo, hi, owner, _ in runs]
         entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
-        for name, region in shard.state.items():
-            local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone(), m)
+        if id(shard) not in decoded:
+            decoded[id(shard)] = {name: shard.values(name) for name in shard.state}
+        for name, region in decoded[id(shard)].items():
+            live = region is shard.state[name]  # fp32: copies; decoded: views of the decoded copy
+            local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone() if live else
+                                  region[off:off + m.shard_sizes[0]], m)
                             for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == engine.rank]
             md = ShardedTensorMetadata(metas, torch.Size([p.numel()]), TensorProperties(dtype=torch.float32))
             entry[_state_key(name)] = ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -155,6 +166,7 @@ def _apply(engine, groups, values) -> None:
     engine.algo.refresh(opt.param_groups)
     for shard in engine.shards():
         names = list(shard.state)
+        regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
         for local, pid in enumerate(shard.layout.pids):
             saved = values[pid]
             pos = 0
@@ -162,12 +174,15 @@ def _apply(engine, groups, values) -> None:
                 if _owner(owner) != engine.rank:
                     continue
                 for name in names:
-                    shard.state[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
+                    regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo
             engine.steps[pid] = float(saved["step"])
         layout = shard.layout
         if layout.tail and engine.world > 1 and names:
-            tail = torch.stack([shard.state[n][slice(*layout.region_tail(engine.rank))] for n in names])
+            tail = torch.stack([regions[n][slice(*layout.region_tail(engine.rank))] for n in names])
             collectives.broadcast(tail, 0, engine.group)
             for f, n in enumerate(names):
-                shard.state[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])
+                regions[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])
+        for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
+            if regions[name] is not shard.state[name]:
+                shard.store_values(name, regions[name])

@@ -9,6 +9,7 @@ traceback, and the other ranks (which may now wait in a collective forever) are 
 from __future__ import annotations
 
 import datetime
+import pickle
 import socket
 import time
 import traceback
@@ -41,8 +42,9 @@ def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         try:
-            out = fn(rank, world, *args)
-            results.put((rank, "ok", out))
+            # by value: the queue's own pickler sends tensors as shared-memory handles, which vanish
+            # when this process exits before the parent has read them (FileNotFoundError there)
+            results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
             # no rank tears its group down while a peer still talks to it: with gloo that race aborts
             # the process ("terminate called without an active exception"), 1 exit in 3 on 2 CPU ranks
             dist.barrier()
@@ -72,7 +74,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None
         for _ in range(world):
             rank, status, payload = results.get(timeout=max(deadline - time.monotonic(), 1.0))
             if status == "ok":
-                outs[rank] = payload
+                outs[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the others may now hang in a collective: stop waiting for them

@@ -21,7 +21,8 @@ import bisect
 
 import torch
 
-from ..kernels import Segments
+from ..kernels import Segments, row_table
+from ..kernels.segments import VEC, VECTOR
 from .shard import BucketShard
 
 ARENA_ALIGN = 32
@@ -38,35 +39,43 @@ class Arena:
 
     Attributes:
         shards: the shards, in arena order.
-        state: state name -> fp32 tensor holding every shard's region (``shard.state[name]`` are views).
+        state: state name -> tensor holding every shard's region (``shard.state[name]`` are views).
+        scales: 8-bit moments' scales of every shard back to back, in arena order, as the launch numbers
+            the rows of its table (``shard.scales[name]`` are views); else empty.
         params: the tensor holding every shard's parameter buffer (``shard.param_buffer`` are views).
-        state_at, param_at: each shard's first element in ``state`` and ``params``.
+        state_at, param_at, scale_at: each shard's first element in ``state``, ``params``, ``scales``.
     """
 
     def __init__(self, shards: list[BucketShard]):
         self.shards = shards
         first = shards[0]
         device, dtype = first.param_buffer.device, first.param_buffer.dtype
-        self.state_at, self.param_at = [], []
-        n_state = n_param = 0
+        self.state_at, self.param_at, self.scale_at = [], [], []
+        n_state = n_param = n_scale = 0
         for shard in shards:
             self.state_at.append(n_state)
             self.param_at.append(n_param)
+            self.scale_at.append(n_scale)
             n_state += _aligned(shard.layout.region_size)
             n_param += _aligned(shard.layout.numel)
-        self.state = {name: torch.zeros(n_state, dtype=torch.float32, device=device) for name in first.state}
+            n_scale += shard.table.shape[0]
+        self.state = {name: torch.zeros(n_state, dtype=t.dtype, device=device) for name, t in first.state.items()}
+        self.scales = {name: torch.zeros(n_scale, dtype=torch.float32, device=device) for name in first.scales}
         self.params = torch.zeros(n_param, dtype=dtype, device=device)
-        for shard, so, po in zip(shards, self.state_at, self.param_at):
-            region = shard.layout.region_size
+        for shard, so, po, ko in zip(shards, self.state_at, self.param_at, self.scale_at):
+            region, blocks = shard.layout.region_size, shard.table.shape[0]
             shard.relocate({name: t[so:so + region] for name, t in self.state.items()},
+                           {name: t[ko:ko + blocks] for name, t in self.scales.items()},
                            self.params[po:po + shard.layout.numel])
 
 
 class BucketGrads:
     """DDP's bucket buffers of one dtype, sliced by one offset space (the torch backend's gradient).
 
-    Bucket ``k`` starts at ``starts[k]``; one element is left between buckets, so rows of different
-    buckets are never contiguous and the torch backend never merges them into one run.
+    Bucket ``k`` starts at ``starts[k]``, a multiple of ``VEC`` with at least one element left
+    between buckets: rows of different buckets are never contiguous (the torch backend never merges
+    them into one run), and every offset keeps its alignment modulo ``VEC``, so the launch's rows are
+    cut as each shard's own are (what 8-bit blocks need).
     """
 
     def __init__(self, buffers: list[torch.Tensor], starts: list[int]):
@@ -90,6 +99,8 @@ class Launch:
         norm_rows, norm_segments: the rows whose gradients count towards the global norm.
         base: index of the shard whose buffer is the gradients' base (Triton backend).
         ptrs: the buffers' addresses the gradient offsets were computed from.
+        cuts_like_shards: the rows cut every shard as its own table does (always, without 8-bit
+            moments); else the step takes one launch per bucket.
     """
 
     def __init__(self, arena: Arena, buffers: list[torch.Tensor], backend: str, upload=None):
@@ -107,15 +118,16 @@ class Launch:
             grad_at, pos = [], 0
             for b in buffers:
                 grad_at.append(pos)
-                pos += b.numel() + 1
+                pos += -(-(b.numel() + 1) // VEC) * VEC
         self.grad_at = grad_at
         self.rows, self.norm_rows = [], []
         for shard, so, po, go, buf in zip(arena.shards, arena.state_at, arena.param_at, grad_at, buffers):
             for rows, out in ((shard.rows, self.rows), (shard.norm_rows, self.norm_rows)):
-                for s, n, p, g, pid in rows:
+                for s, n, p, g, pid, elem in rows:
                     if g + n > buf.numel():
                         raise ValueError(f"a row reaches element {g + n} of a bucket of {buf.numel()}")
-                    out.append((so + s, n, po + p, go + g, pid))
+                    out.append((so + s, n, po + p, go + g, pid, elem))
+        self.cuts_like_shards = not arena.scales or _cuts_like_shards(arena, self.rows)
         # gradient offsets span several allocations: bounds are checked above, per bucket
         triton = backend == "triton"
         self.segments = Segments.build(self.rows, grad_across_allocations=True, upload=upload) if triton else None
@@ -130,6 +142,18 @@ class Launch:
         if self.backend == "triton":
             return buffers[self.base]
         return BucketGrads(buffers, self.grad_at)
+
+
+def _cuts_like_shards(arena: Arena, rows: list) -> bool:
+    """8-bit moments' scales are numbered by the launch's rows: the arena's table must cut every shard
+    exactly as the shard's own table does. It does when every offset keeps its alignment modulo VEC,
+    which the arena's 32-element and the allocators' 64-byte (CPU) and 512-byte (CUDA) alignments
+    give; bucket buffers that break it get one launch per bucket instead."""
+    combined = row_table(rows)
+    if combined.shape[0] != sum(shard.table.shape[0] for shard in arena.shards):
+        return False
+    return all(torch.equal(combined[at:at + shard.table.shape[0], [1, VECTOR]], shard.table[:, [1, VECTOR]])
+               for shard, at in zip(arena.shards, arena.scale_at))
 
 
 class SingleLaunch:
@@ -180,5 +204,7 @@ class SingleLaunch:
             launch = self.launches.get(dtype)
             if launch is None or not launch.matches(buffers):
                 launch = self.launches[dtype] = Launch(arena, buffers, self.backend, self.registry.upload)
+            if not launch.cuts_like_shards:
+                return None
             out.append((launch, buffers))
         return out

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..kernels import Segments
 from ..options import ShardingOptions, collect_params
 from ..update.algorithms import Algorithm, UpdateArgs
+from ..update.formats import DTYPES
 from . import hooks
 from .amp import ScalerLink
 from .arena import SingleLaunch
@@ -104,6 +105,7 @@ class Engine:
         self.rank = dist.get_rank(self.group)
 
         self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
+        self.options.check_params(self.params)
         self.pid_of = {p: i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
@@ -120,6 +122,7 @@ class Engine:
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             upload=self.side.upload if self.backend == "triton" else None, device=self.device, group=self.group,
+            state_format=self.options.state_format,
             world=self.world, rank=self.rank)
 
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
@@ -177,8 +180,11 @@ class Engine:
 
     def _compile_for(self, dtype: torch.dtype) -> None:
         one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
-        names = self.algo.state_names() + (["master"] if self.options.keeps_master(dtype) else [])
-        state = {name: one() for name in names}
+        moments = DTYPES[self.options.state_format]
+        state = {name: one(moments) for name in self.algo.state_names()}
+        if self.options.keeps_master(dtype):
+            state["master"] = one()
+        scales = {name: one() for name in self.algo.state_names()} if moments == torch.uint8 else None
         coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
                                        np.zeros(1, dtype=bool), 1.0)
         coefs = self.side.upload(coefs)
@@ -187,7 +193,8 @@ class Engine:
         clip = one() if self.max_grad_norm is not None else None
         scale = one() if self.scaler is not None else None
         self.algo.update("triton", rows, segments, coefs, UpdateArgs(
-            one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip))
+            one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip, scales=scales,
+            stochastic=self.options.stochastic_rounding))
         self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype), scale)
 
     # ------------------------------------------------------------------ the comm hook

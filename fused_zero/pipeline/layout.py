@@ -171,14 +171,15 @@ class BucketLayout:
             pos = end
         return runs
 
-    def rows(self) -> list[tuple[int, int, int, int, int]]:
-        """Kernel rows (shard_off, length, param_off, grad_off, pid) for this rank's region.
+    def rows(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Kernel pieces (shard_off, length, param_off, grad_off, pid, elem) for this rank's region.
 
         The parameter buffer and the gradient (DDP's bucket buffer, reduced in place) are both
         indexed like the bucket. ``pid`` is the parameter's index within the bucket (the coefficient
-        table's row).
+        table's row); ``elem`` the index of the piece's first element in its parameter.
         """
-        return [(p.region_off, p.length, p.bucket_off, p.bucket_off, p.local) for p in self.pieces(self.rank)]
+        return [(p.region_off, p.length, p.bucket_off, p.bucket_off, p.local, p.elem)
+                for p in self.pieces(self.rank)]
 
     def _cut(self, lo: int, hi: int, region_base: int) -> list[Piece]:
         out = []

@@ -36,12 +36,13 @@ class ShardRegistry:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 upload, device: torch.device, group, world: int,
+                 upload, device: torch.device, group, world: int, state_format: str = "fp32",
                  rank: int):
         self.params = params
         self.state_names = state_names
         self.keeps_master = keeps_master
         self.upload = upload  # the kernels' row tables to the device (Triton backend), or None
+        self.state_format = state_format
         self.device = device
         self.group, self.world, self.rank = group, world, rank
         self.where: dict[int, tuple[BucketShard, int]] = {}
@@ -134,10 +135,11 @@ class ShardRegistry:
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
             master=self.keeps_master(dtype), device=self.device,
-            dtype=dtype, upload=self.upload)
+            dtype=dtype, state_format=self.state_format, upload=self.upload)
 
     def _move_state(self, new: BucketShard) -> None:
-        """Fill ``new``'s region with the state its parameters had, in one all_to_all."""
+        """Fill ``new``'s region with the state its parameters had, in one all_to_all: decoded to fp32
+        from the old shards' formats, encoded into the new shard's (8-bit blocks follow the new rows)."""
         names = list(new.state)
         if not names:
             return
@@ -146,7 +148,14 @@ class ShardRegistry:
         me = self.rank
         sends = sorted((t for t in plan if t.src == me), key=lambda t: t.dst)  # stable: plan order kept
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.src)
-        pieces = [torch.stack([self.where[t.pid][0].state[n][t.src_off:t.src_off + t.length]
+        decoded: dict[int, dict[str, torch.Tensor]] = {}
+
+        def old_values(shard: BucketShard) -> dict[str, torch.Tensor]:
+            if id(shard) not in decoded:
+                decoded[id(shard)] = {n: shard.values(n) for n in names}
+            return decoded[id(shard)]
+
+        pieces = [torch.stack([old_values(self.where[t.pid][0])[n][t.src_off:t.src_off + t.length]
                                for n in names], dim=1) for t in sends]
         width = len(names)
         dtype = torch.float32  # the state's dtype, whatever torch's default dtype is
@@ -159,8 +168,11 @@ class ShardRegistry:
             recv_splits = [sum(t.length for t in recvs if t.src == r) * width for r in range(self.world)]
             collectives.all_to_all_single(recv.view(-1), send.contiguous().view(-1), recv_splits, send_splits,
                                           self.group)
+        filled = {n: torch.zeros(new.layout.region_size, dtype=dtype, device=self.device) for n in names}
         pos = 0
         for t in recvs:
             for f, n in enumerate(names):
-                new.state[n][t.dst_off:t.dst_off + t.length].copy_(recv[pos:pos + t.length, f])
+                filled[n][t.dst_off:t.dst_off + t.length].copy_(recv[pos:pos + t.length, f])
             pos += t.length
+        for n in names:
+            new.store_values(n, filled[n])

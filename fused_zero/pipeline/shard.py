@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import Segments
+from ..kernels import Segments, row_table
+from ..update.formats import DTYPES, store_values, values
 from .layout import BucketLayout
 from .strides import strided_view
 
@@ -24,8 +25,11 @@ class BucketShard:
             gradient, without a new array per bucket and step).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
-        state: region-shaped fp32 tensors, one per state name (and ``"master"`` with master weights).
-        rows: host kernel rows; ``segments`` the same on the device (Triton backend only).
+        state: region-shaped tensors, one per state name, in the moments' storage format
+            (update/formats.py), and fp32 ``"master"`` with master weights.
+        scales: 8-bit moments' fp32 scales, one per row of the kernel table (``table``); else empty.
+        rows: host kernel pieces; ``table`` their host row table (kernels.row_table); ``segments`` the
+            same on the device (Triton backend only).
         norm_rows / norm_segments: the rows whose gradients count towards the global norm: the
             replicated tail is counted on rank 0 only.
         gather: the pending all-gather's Work, or None.
@@ -33,7 +37,7 @@ class BucketShard:
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
-                 master: bool, device: torch.device, dtype: torch.dtype,
+                 master: bool, device: torch.device, dtype: torch.dtype, state_format: str = "fp32",
                  upload=None):
         self.layout = layout
         self.params = params
@@ -41,12 +45,16 @@ class BucketShard:
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-        names = list(state_names) + (["master"] if master else [])
-        self.state = {name: torch.zeros(layout.region_size, dtype=torch.float32, device=device)
-                      for name in names}
+        moments = DTYPES[state_format]
+        self.state = {name: torch.zeros(layout.region_size, dtype=moments, device=device) for name in state_names}
+        if master:
+            self.state["master"] = torch.zeros(layout.region_size, dtype=torch.float32, device=device)
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
-        self.rows = [(so, n, po, go, layout.pids[local])
-                     for so, n, po, go, local in layout.rows()]
+        self.rows = [(so, n, po, go, layout.pids[local], elem)
+                     for so, n, po, go, local, elem in layout.rows()]
+        self.table = row_table(self.rows)
+        self.scales = {name: torch.zeros(self.table.shape[0], dtype=torch.float32, device=device)
+                       for name in state_names} if moments == torch.uint8 else {}
         tail_at = layout.region_tail(layout.rank)[0]
         self.norm_rows = [r for r in self.rows if r[0] < tail_at or layout.rank == 0]
         self.segments = Segments.build(self.rows, upload=upload) if upload is not None else None
@@ -63,13 +71,16 @@ class BucketShard:
             view.copy_(p.data)
             p.data = view
 
-    def relocate(self, state: dict[str, torch.Tensor], param_buffer: torch.Tensor) -> None:
-        """Move the state and the parameter buffer into the given tensors (views of an arena, see
-        arena.py), values included, and make the parameters views of the new buffer. No gather or
-        update of this shard may be pending."""
+    def relocate(self, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+                 param_buffer: torch.Tensor) -> None:
+        """Move the state, the scales and the parameter buffer into the given tensors (views of an
+        arena, see arena.py), values included, and make the parameters views of the new buffer. No
+        gather or update of this shard may be pending."""
         for name, view in state.items():
             view.copy_(self.state[name])
-        self.state = state
+        for name, view in scales.items():
+            view.copy_(self.scales[name])
+        self.state, self.scales = state, scales
         self.param_buffer = param_buffer
         self.bind_params()
 
@@ -77,7 +88,7 @@ class BucketShard:
         master = self.state.get("master")
         if master is None:
             return
-        for so, n, po, _, _ in self.layout.rows():
+        for so, n, po, *_ in self.layout.rows():
             master[so:so + n].copy_(self.param_buffer[po:po + n])
 
     def completed(self, buffer: torch.Tensor) -> torch.futures.Future:
@@ -96,5 +107,13 @@ class BucketShard:
         if work is not None:
             work.wait()
 
+    def values(self, name: str) -> torch.Tensor:
+        """One state tensor's region decoded to fp32 (the tensor itself when stored in fp32)."""
+        return values(self.state[name], self.scales.get(name), self.table, name)
+
+    def store_values(self, name: str, x: torch.Tensor) -> None:
+        """Encode fp32 region values ``x`` into one state tensor, as an update would."""
+        store_values(self.state[name], self.scales.get(name), self.table, name, x)
+
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        return sum(t.numel() * t.element_size() for t in (*self.state.values(), *self.scales.values()))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..update.algorithms import UpdateArgs, clip_coefficient
+from ..update.formats import sr_keys
 from . import collectives
 from .profiling import range_push
 from .reduction import Reduced, UsedFlags
@@ -35,6 +36,7 @@ class Unit:
     grad: object
     param: torch.Tensor
     state: dict
+    scales: dict
     items: list
 
 
@@ -76,7 +78,9 @@ class Updates:
     def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
         """Every parameter's update scalars for this step, one row per parameter (host float32)."""
         e = self.engine
-        return e.algo.coefficients(hparams, e.group_of, e.step_counts.settled + active, active, e.reduction.grad_div)
+        steps = e.step_counts.settled + active
+        keys = sr_keys(e.options.seed, steps) if e.options.stochastic_rounding else 0
+        return e.algo.coefficients(hparams, e.group_of, steps, active, e.reduction.grad_div, keys)
 
     def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> tuple[torch.Tensor, tuple | None]:
         """The table a bucket's update reads: the iteration's shared one (every row active), with this
@@ -112,7 +116,7 @@ class Updates:
             with range_push("fused_zero.update"):
                 e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                     unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
-                    clip_coef=clip))
+                    clip_coef=clip, scales=unit.scales or None, stochastic=e.options.stochastic_rounding))
             for item, flags in unit.items:
                 shard = item.shard
                 shard.reduced_buffer = None
@@ -127,10 +131,10 @@ class Updates:
         table = self._one_table(it, items, coefs) if launches is not None else None
         if table is None:
             return [Unit(s.rows, s.segments, s.norm_rows, s.norm_segments, t, s.reduced_buffer, s.param_buffer,
-                         s.state, [(item, flags)])
+                         s.state, s.scales, [(item, flags)])
                     for item, t, flags, s in zip(items, coefs, used, (item.shard for item in items))]
         return [Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
-                     launch.grad(buffers), launch.arena.params, launch.arena.state,
+                     launch.grad(buffers), launch.arena.params, launch.arena.state, launch.arena.scales,
                      [(item, flags) for item, flags in zip(items, used)
                       if item.shard.param_buffer.dtype == launch.arena.params.dtype])
                 for launch, buffers in launches]

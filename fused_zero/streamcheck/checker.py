@@ -229,9 +229,10 @@ class StreamChecker:
         def update(algo, backend, rows, segments, coefs, args):
             reads = [coefs] + ([segments.rows] if segments is not None else []) + \
                 [t for t in (args.grad_scale, args.found_inf, args.clip_coef) if t is not None]
-            reads += [args.grad[go:go + n] for _, n, _, go, _ in rows]
-            writes = [args.param[po:po + n] for _, n, po, _, _ in rows]
-            writes += [t[so:so + n] for t in args.state.values() for so, n, _, _, _ in rows]
+            reads += [args.grad[go:go + n] for _, n, _, go, *_ in rows]
+            writes = [args.param[po:po + n] for _, n, po, *_ in rows]
+            writes += [t[so:so + n] for t in args.state.values() for so, n, *_ in rows]
+            writes += list((args.scales or {}).values())  # one per row of the launch: whole tensors
             checker.record("update kernel", reads=reads + writes, writes=writes)
             with checker.paused():
                 return real(algo, backend, rows, segments, coefs, args)
@@ -242,7 +243,7 @@ class StreamChecker:
 
         def grad_sumsq(algo, backend, rows, segments, coefs, grad, grad_scale=None):
             reads = [coefs] + ([segments.rows] if segments is not None else []) + \
-                ([grad_scale] if grad_scale is not None else []) + [grad[go:go + n] for _, n, _, go, _ in rows]
+                ([grad_scale] if grad_scale is not None else []) + [grad[go:go + n] for _, n, _, go, *_ in rows]
             with checker.paused():
                 out = real(algo, backend, rows, segments, coefs, grad, grad_scale)
             for t in out:

@@ -21,10 +21,12 @@ class UpdateArgs:
 
     grad: torch.Tensor
     param: torch.Tensor
-    state: dict[str, torch.Tensor]  # region-shaped fp32: the algorithm's state and maybe "master"
+    state: dict[str, torch.Tensor]  # region-shaped, in the moments' format: the state and maybe "master"
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     clip_coef: torch.Tensor | None = None
+    scales: dict[str, torch.Tensor] | None = None  # 8-bit moments: one fp32 scale per row of the launch
+    stochastic: bool = False  # bf16 parameters without masters, rounded stochastically
 
 
 class Algorithm:
@@ -89,19 +91,20 @@ class AdamFamily(Algorithm):
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.flags["amsgrad"] else [])
 
     def coefficients(self, groups: list[dict], group_idx: np.ndarray, step: np.ndarray,
-                     active: np.ndarray, grad_div: float) -> torch.Tensor:
+                     active: np.ndarray, grad_div: float, sr_keys=0) -> torch.Tensor:
         pick = _per_param(groups, group_idx)
         return adam_coefficients(
             lr=pick(lambda g: g["lr"]), beta1=pick(lambda g: g["betas"][0]), beta2=pick(lambda g: g["betas"][1]),
             eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=step,
             decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
-            grad_div=grad_div, active=active)
+            grad_div=grad_div, active=active, sr_key=sr_keys)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
                   exp_avg_sq=a.state["exp_avg_sq"], master=a.state.get("master"),
-                  max_exp_avg_sq=a.state.get("max_exp_avg_sq"), maximize=self.flags["maximize"],
-                  grad_scale=a.grad_scale, found_inf=a.found_inf, clip_coef=a.clip_coef)
+                  max_exp_avg_sq=a.state.get("max_exp_avg_sq"), scales=a.scales, stochastic=a.stochastic,
+                  maximize=self.flags["maximize"], grad_scale=a.grad_scale, found_inf=a.found_inf,
+                  clip_coef=a.clip_coef)
 
 
 class SGDAlgorithm(Algorithm):
@@ -121,7 +124,7 @@ class SGDAlgorithm(Algorithm):
     def state_names(self) -> list[str]:
         return ["momentum_buffer"] if self.has_momentum else []
 
-    def coefficients(self, groups, group_idx, step, active, grad_div) -> torch.Tensor:
+    def coefficients(self, groups, group_idx, step, active, grad_div, sr_keys=0) -> torch.Tensor:
         pick = _per_param(groups, group_idx)
         momentum = pick(lambda g: g["momentum"])
         # torch creates the buffer from the gradient on a parameter's first step; a group without
@@ -130,13 +133,13 @@ class SGDAlgorithm(Algorithm):
         return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=momentum,
                                 dampening=pick(lambda g: g["dampening"]),
                                 weight_decay=pick(lambda g: g["weight_decay"]), first=first, grad_div=grad_div,
-                                active=active)
+                                active=active, sr_key=sr_keys)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         sgd_step(segments, coefs, grad=a.grad, param=a.param, momentum_buffer=a.state.get("momentum_buffer"),
-                 master=a.state.get("master"), nesterov=self.flags["nesterov"],
-                 maximize=self.flags["maximize"], grad_scale=a.grad_scale, found_inf=a.found_inf,
-                 clip_coef=a.clip_coef)
+                 master=a.state.get("master"), scales=a.scales, stochastic=a.stochastic,
+                 nesterov=self.flags["nesterov"], maximize=self.flags["maximize"], grad_scale=a.grad_scale,
+                 found_inf=a.found_inf, clip_coef=a.clip_coef)
 
 
 def _per_param(groups: list[dict], group_idx: np.ndarray):

@@ -3,14 +3,17 @@
 This is the fast path for CPU tensors (the Triton interpreter is a correctness tool, hundreds of times
 slower). It reads the same rows and the same float32 coefficient table, and calls the very ops
 torch.optim's single-tensor implementations call, with the same Python scalars, so its results are
-the ones torch.optim computes, element for element.
+the ones torch.optim computes, element for element. Moments stored in bf16 or 8 bits are decoded to
+fp32 before those ops and encoded after them (formats.py), as the kernels do; 8-bit moments and
+stochastically rounded weights go block by block (the kernels' rows), the others by merged runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import ADAM_COEFS, SGD_COEFS
+from ..kernels import ADAM_COEFS, SGD_COEFS, row_table
+from .formats import SIGNED, decode8, encode_block, round_stochastic
 
 _ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
 _SGD = {name: i for i, name in enumerate(SGD_COEFS)}
@@ -35,7 +38,7 @@ def merged_runs(rows, table: list[list[float]]):
     results do not depend on where a run is cut.
     """
     runs = []
-    for so, n, po, go, pid in rows:
+    for so, n, po, go, pid, *_ in rows:
         if runs:
             rso, rn, rpo, rgo, rpid = runs[-1]
             if so == rso + rn and po == rpo + rn and go == rgo + rn and table[pid] == table[rpid]:
@@ -45,13 +48,42 @@ def merged_runs(rows, table: list[list[float]]):
     return runs
 
 
+class _Moments:
+    """One run's moments as fp32 working tensors (views of fp32 storage, decoded copies otherwise),
+    and their storing back."""
+
+    def __init__(self, args, so: int, n: int, block: int | None):
+        self.args, self.so, self.n, self.block = args, so, n, block
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.args.state[name][self.so:self.so + self.n]
+        if t.dtype == torch.float32:
+            return t
+        if t.dtype == torch.bfloat16:
+            return t.float()
+        return decode8(t, SIGNED[name]) * self.args.scales[name][self.block]
+
+    def put(self, name: str, x: torch.Tensor) -> None:
+        t = self.args.state[name][self.so:self.so + self.n]
+        if t.dtype == torch.bfloat16:
+            t.copy_(x)  # round to nearest even
+        elif t.dtype == torch.uint8:
+            codes, scale = encode_block(x, SIGNED[name])
+            t.copy_(codes)
+            self.args.scales[name][self.block] = scale
+
+
 def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
           nesterov: bool = False) -> None:
     if args.found_inf is not None and float(args.found_inf) != 0.0:
         return
     table = coefs.tolist()
     master = args.state.get("master")
-    for so, n, po, go, pid in merged_runs(rows, table):
+    blockwise = bool(args.scales) or args.stochastic
+    units = row_table(rows)[:, [0, 1, 2, 3, 4, 5, 7]].tolist() if blockwise else \
+        [(*run, 0, None) for run in merged_runs(rows, table)]
+    keys = coefs[:, -1].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF if args.stochastic else None
+    for so, n, po, go, pid, elem, block in units:
         c = table[pid]
         if c[0] == 0.0:  # inactive: no gradient this step
             continue
@@ -61,18 +93,21 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
             p = args.param[po:po + n]
         else:
             p = args.param[po:po + n].float()
+        moments = _Moments(args, so, n, block)
         if kind == "adam":
-            _adam_row(args, c, p, so, n, go, maximize, amsgrad)
+            _adam_row(args, c, p, moments, n, go, maximize, amsgrad)
         else:
-            _sgd_row(args, c, p, so, n, go, maximize, nesterov)
-        if master is not None or args.param.dtype != torch.float32:
+            _sgd_row(args, c, p, moments, n, go, maximize, nesterov)
+        if args.stochastic:
+            args.param[po:po + n].copy_(round_stochastic(p, int(keys[pid]), torch.arange(elem, elem + n)))
+        elif master is not None or args.param.dtype != torch.float32:
             args.param[po:po + n].copy_(p)
 
 
-def _adam_row(args, c, p, so, n, go, maximize, amsgrad):
+def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     g = _grad(args, go, n, c[_ADAM["grad_div"]], maximize)
-    m = args.state["exp_avg"][so:so + n]
-    v = args.state["exp_avg_sq"][so:so + n]
+    m = moments.get("exp_avg")
+    v = moments.get("exp_avg_sq")
     if c[_ADAM["decay_mul"]] != 1.0:
         p.mul_(c[_ADAM["decay_mul"]])
     if c[_ADAM["l2"]] != 0.0:
@@ -80,25 +115,28 @@ def _adam_row(args, c, p, so, n, go, maximize, amsgrad):
     m.lerp_(g, c[_ADAM["lerp_w"]])
     v.mul_(c[_ADAM["beta2"]]).addcmul_(g, g, value=c[_ADAM["one_minus_beta2"]])
     if amsgrad:
-        vmax = args.state["max_exp_avg_sq"][so:so + n]
+        vmax = moments.get("max_exp_avg_sq")
         torch.maximum(vmax, v, out=vmax)
+        moments.put("max_exp_avg_sq", vmax)
         denom = (vmax.sqrt() / c[_ADAM["bc2_sqrt"]]).add_(c[_ADAM["eps"]])
     else:
         denom = (v.sqrt() / c[_ADAM["bc2_sqrt"]]).add_(c[_ADAM["eps"]])
     p.addcdiv_(m, denom, value=c[_ADAM["neg_step_size"]])
+    moments.put("exp_avg", m)
+    moments.put("exp_avg_sq", v)
 
 
-def _sgd_row(args, c, p, so, n, go, maximize, nesterov):
+def _sgd_row(args, c, p, moments, n, go, maximize, nesterov):
     g = _grad(args, go, n, c[_SGD["grad_div"]], maximize)
     if c[_SGD["weight_decay"]] != 0.0:
         g = g.add(p, alpha=c[_SGD["weight_decay"]])
-    buf_all = args.state.get("momentum_buffer")
-    if buf_all is not None:
-        buf = buf_all[so:so + n]
+    if "momentum_buffer" in args.state:
+        buf = moments.get("momentum_buffer")
         if c[_SGD["first"]] != 0.0:
             buf.copy_(g)
         else:
             buf.mul_(c[_SGD["momentum"]]).add_(g, alpha=c[_SGD["one_minus_dampening"]])
+        moments.put("momentum_buffer", buf)
         g = g.add(buf, alpha=c[_SGD["momentum"]]) if nesterov else buf
     p.add_(g, alpha=c[_SGD["neg_lr"]])
 

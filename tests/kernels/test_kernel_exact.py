@@ -13,7 +13,17 @@ import itertools
 
 import pytest
 import torch
-from fused_zero.kernels import ADAM_COEFS, SGD_COEFS, Segments, adam_coefficients, adam_step, sgd_coefficients, sgd_step
+from fused_zero.kernels import (
+    ADAM_COEFS,
+    SGD_COEFS,
+    Segments,
+    adam_coefficients,
+    adam_step,
+    row_table,
+    sgd_coefficients,
+    sgd_step,
+    sr_key,
+)
 from kernel_reference import adam, sgd
 
 SIZES = (1, 7, 1000, 4099, 33, 2050, 5)
@@ -34,8 +44,11 @@ def _pieces(shifts=(1, 5, 9), world=2):
         for pid, (start, n) in enumerate(zip(starts, SIZES)):
             a, b = max(start, lo), min(start + n, hi)
             if a < b:
-                out.append((a + shifts[0], b - a, a + shifts[1], a + shifts[2], pid))
+                out.append((a + shifts[0], b - a, a + shifts[1], a + shifts[2], pid, a - start))
     return out, total + max(shifts) + 8
+
+
+MOMENT_DTYPES = {"fp32": F32, "bf16": BF16, "int8": torch.uint8}
 
 
 def _setup(kind, param_dtype, grad_dtype, master, flags, seed=0):
@@ -44,11 +57,13 @@ def _setup(kind, param_dtype, grad_dtype, master, flags, seed=0):
     param = torch.randn(n, generator=g) * 0.5
     param[::11] = 0.0  # where eps decides the step (gradients there ~1e-8, see run)
     param = param.to(param_dtype)
-    state = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)} if kind == "adam" else {}
-    if kind == "adam" and flags.get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros(n)
-    if kind == "sgd" and flags.get("momentum"):
-        state["momentum_buffer"] = torch.zeros(n)
+    dtype = MOMENT_DTYPES[flags.get("moments", "fp32")]
+    names = (["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if flags.get("amsgrad") else [])) if kind == "adam" \
+        else (["momentum_buffer"] if flags.get("momentum") else [])
+    state = {name: torch.zeros(n, dtype=dtype) for name in names}
+    if dtype == torch.uint8:  # one scale per row of the table
+        n_rows = row_table(rows).shape[0]
+        state.update({f"{name}:scale": torch.zeros(n_rows) for name in names})
     if master:
         state["master"] = param.float()
     return rows, n, param, state, g
@@ -57,22 +72,26 @@ def _setup(kind, param_dtype, grad_dtype, master, flags, seed=0):
 def _coefs(kind, flags, step, active):
     lrs = [LR[GROUP[i]] * (1 + 0.1 * step) for i in range(len(SIZES))]
     wds = [WD[GROUP[i]] for i in range(len(SIZES))]
+    keys = [sr_key(7, step, i) for i in range(len(SIZES))] if flags.get("sr") else 0
     if kind == "adam":
         return adam_coefficients(lr=lrs, beta1=flags.get("beta1", 0.9), beta2=0.999, eps=1e-8, weight_decay=wds,
                                  step=step, decoupled=flags.get("decoupled", True), grad_div=flags.get("div", 1.0),
-                                 active=active)
+                                 active=active, sr_key=keys)
     return sgd_coefficients(lr=lrs, momentum=flags.get("momentum", 0.0), dampening=flags.get("dampening", 0.0),
-                            weight_decay=wds, first=step == 1, grad_div=flags.get("div", 1.0), active=active)
+                            weight_decay=wds, first=step == 1, grad_div=flags.get("div", 1.0), active=active,
+                            sr_key=keys)
 
 
 def _launch(fn, kind, rows, coefs, grad, param, state, flags, extra, segments=None):
-    names = dict(master=state.get("master"), maximize=flags.get("maximize", False), **extra)
+    scales = {k.split(":")[0]: v for k, v in state.items() if k.endswith(":scale")} or None
+    names = dict(master=state.get("master"), maximize=flags.get("maximize", False), scales=scales,
+                 stochastic=flags.get("sr", False), **extra)
     if kind == "adam":
         args = dict(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"],
                     max_exp_avg_sq=state.get("max_exp_avg_sq"), **names)
     else:
         args = dict(momentum_buffer=state.get("momentum_buffer"), nesterov=flags.get("nesterov", False), **names)
-    fn(segments if segments is not None else rows, coefs, grad=grad, param=param, **args)
+    fn(segments if segments is not None else row_table(rows), coefs, grad=grad, param=param, **args)
 
 
 def run(kind, param_dtype, grad_dtype, master, flags, steps=5, perturb=None, device="cpu"):
@@ -117,6 +136,13 @@ ADAM_VARIANTS = [
     (F16, F16, True, {"scale": True, "found_at": 2}),
     (BF16, BF16, False, {}),
     (F16, F16, False, {"maximize": True}),
+    (F32, F32, False, {"moments": "bf16"}),
+    (BF16, BF16, True, {"moments": "bf16", "amsgrad": True, "scale": True, "found_at": 3}),
+    (F32, F32, False, {"moments": "int8"}),
+    (F32, BF16, False, {"moments": "int8", "amsgrad": True, "decoupled": False, "clip": True}),
+    (BF16, BF16, True, {"moments": "int8", "found_at": 2}),
+    (BF16, BF16, False, {"sr": True}),
+    (BF16, BF16, False, {"sr": True, "moments": "int8", "amsgrad": True}),
 ]
 SGD_VARIANTS = [
     (F32, F32, False, {}),
@@ -125,6 +151,10 @@ SGD_VARIANTS = [
     (F32, F16, False, {"momentum": 0.8, "nesterov": True, "scale": True, "clip": True, "found_at": 2}),
     (BF16, BF16, True, {"momentum": 0.9, "nesterov": True}),
     (F16, F32, False, {"momentum": 0.9, "div": 3.0}),
+    (F32, F32, False, {"momentum": 0.9, "moments": "bf16"}),
+    (BF16, BF16, True, {"momentum": 0.9, "nesterov": True, "moments": "int8"}),
+    (BF16, BF16, False, {"momentum": 0.9, "sr": True, "moments": "int8"}),
+    (BF16, BF16, False, {"sr": True, "maximize": True}),
 ]
 
 
@@ -138,9 +168,10 @@ def test_sgd_equals_its_reference(param_dtype, grad_dtype, master, flags):
     assert run("sgd", param_dtype, grad_dtype, master, flags) is None
 
 
-# every coefficient but the flags (active, first); l2 only means something in coupled Adam
-ADAM_SHARP = [(c, {"decoupled": c != "l2"}) for c in ADAM_COEFS if c != "active"]
-SGD_SHARP = [(c, {"momentum": 0.9, "dampening": 0.2}) for c in SGD_COEFS if c not in ("active", "first")]
+# every coefficient but the flags (active, first) and the rounding key (its own test); l2 only means
+# something in coupled Adam
+ADAM_SHARP = [(c, {"decoupled": c != "l2"}) for c in ADAM_COEFS if c not in ("active", "sr_key")]
+SGD_SHARP = [(c, {"momentum": 0.9, "dampening": 0.2}) for c in SGD_COEFS if c not in ("active", "first", "sr_key")]
 
 
 @pytest.mark.parametrize("kind,column,flags", [("adam", *x) for x in ADAM_SHARP] + [("sgd", *x) for x in SGD_SHARP],
@@ -154,4 +185,4 @@ def test_one_ulp_in_any_coefficient_fails(kind, column, flags):
 def test_the_variants_cover_every_flag():
     seen = set(itertools.chain.from_iterable(f for *_, f in ADAM_VARIANTS + SGD_VARIANTS))
     assert {"amsgrad", "maximize", "decoupled", "scale", "clip", "found_at", "momentum", "dampening",
-            "nesterov", "beta1", "div"} <= seen
+            "nesterov", "beta1", "div", "moments", "sr"} <= seen

@@ -261,7 +261,7 @@ SHIFTS = [(1, 5, 9), (3, 7, 3), (0, 1, 2)]
 ], ids=["adamw-fp32", "adam-bf16", "sgd-fp16"])
 def test_rows_with_ragged_ends_in_every_space(cls, options, param_dtype, grad_dtype, shifts):
     pk = Packed(SIZES, 3)
-    kinds = {int(v) for r in range(3) for v in Segments.build(pk.rows(r, shifts)).rows[:, 5]}
+    kinds = {int(v) for r in range(3) for v in Segments.build(pk.rows(r, shifts)).rows[:, 6]}
     congruent = (shifts[0] - shifts[1]) % VEC == 0 and (shifts[0] - shifts[2]) % VEC == 0
     assert kinds == ({0, 1} if congruent else {0})
     ours, ref, lows = run_parity(cls, options, world=3, param_dtype=param_dtype, grad_dtype=grad_dtype,
@@ -285,7 +285,7 @@ def test_layout_at_alignment_one_through_the_kernels():
     param_bufs = [torch.cat([p.reshape(-1) for p in params]) for _ in range(world)]
     states = [{k: torch.zeros(lay.region_size) for k in ("exp_avg", "exp_avg_sq")} for lay in layouts]
     segs = [Segments.build(lay.rows()) for lay in layouts]
-    vector = sum(int(s.rows[s.rows[:, 5] == 1, 1].sum()) for s in segs)
+    vector = sum(int(s.rows[s.rows[:, 6] == 1, 1].sum()) for s in segs)
     total = sum(int(s.rows[:, 1].sum()) for s in segs)
     assert vector / total > 0.9
     for step in range(1, steps + 1):
@@ -382,8 +382,9 @@ def test_segments_split_rows_longer_than_block():
     assert SCALAR_BLOCK == 256
     segs = Segments.build([(0, 1000, 10, 20, 0), (5000, 3, 7000, 7000, 1)])
     rows = segs.rows.tolist()
-    assert rows == [[0, 256, 10, 20, 0, 0], [256, 256, 266, 276, 0, 0], [512, 256, 522, 532, 0, 0],
-                    [768, 232, 778, 788, 0, 0], [5000, 3, 7000, 7000, 1, 0]]
+    assert rows == [[0, 256, 10, 20, 0, 0, 0, 0], [256, 256, 266, 276, 0, 256, 0, 1],
+                    [512, 256, 522, 532, 0, 512, 0, 2], [768, 232, 778, 788, 0, 768, 0, 3],
+                    [5000, 3, 7000, 7000, 1, 0, 0, 4]]
     assert (segs.shard_extent, segs.param_extent, segs.grad_extent, segs.n_params) == (5003, 7003, 7003, 2)
 
 
@@ -391,12 +392,14 @@ def test_segments_cut_aligned_middles_and_ragged_ends():
     assert VEC == 4
     # offsets 1, 5, 9 agree modulo 4 (4, 20 and 36 bytes into a 16-byte vector of fp32): a 3-element
     # head, an aligned middle split at BLOCK, a 1-element tail
-    rows = Segments.build([(1, 5000, 5, 9, 0)]).rows.tolist()
-    assert rows == [[1, 3, 5, 9, 0, 0], [4, 2048, 8, 12, 0, 1], [2052, 2048, 2056, 2060, 0, 1],
-                    [4100, 900, 4104, 4108, 0, 1], [5000, 1, 5004, 5008, 0, 0]]
-    # a piece shorter than its head, and one that is all middle
+    # (columns: shard, length, param, grad, pid, elem: the index in the parameter, vector, block: the
+    # row's number); the piece starts at element 10 of its parameter
+    rows = Segments.build([(1, 5000, 5, 9, 0, 10)]).rows.tolist()
+    assert rows == [[1, 3, 5, 9, 0, 10, 0, 0], [4, 2048, 8, 12, 0, 13, 1, 1], [2052, 2048, 2056, 2060, 0, 2061, 1, 2],
+                    [4100, 900, 4104, 4108, 0, 4109, 1, 3], [5000, 1, 5004, 5008, 0, 5009, 0, 4]]
+    # a piece shorter than its head, and one that is all middle (five columns: elem 0)
     assert Segments.build([(2, 1, 6, 2, 3), (8, 8, 0, 4, 1)]).rows.tolist() == [
-        [2, 1, 6, 2, 3, 0], [8, 8, 0, 4, 1, 1]]
+        [2, 1, 6, 2, 3, 0, 0, 0], [8, 8, 0, 4, 1, 0, 1, 1]]
     assert vector_elements([(1, 5000, 5, 9, 0), (0, 10, 1, 0, 1)]) == (4996, 5010)
 
 
@@ -406,16 +409,17 @@ def test_vector_rows_are_aligned_in_every_space_and_cover_each_piece_once(pieces
     """The interpreter ignores alignment hints, so a wrong vector flag would pass every parity test here
     and fault (or corrupt) on a GPU: check the promise the flag makes on the table itself."""
     rows = Segments.build(pieces).rows.tolist()
-    for so, n, po, go, _, vector in rows:
+    for so, n, po, go, _, _, vector, _ in rows:
         assert 0 < n <= (BLOCK if vector else SCALAR_BLOCK)  # what one program covers without a loop
         if vector:
             assert so % VEC == po % VEC == go % VEC == n % VEC == 0
-    covered = sorted((so, po, go, pid) for so, n, po, go, pid, _ in rows for so, po, go in
+    covered = sorted((so, po, go, pid) for so, n, po, go, pid, *_ in rows for so, po, go in
                      zip(range(so, so + n), range(po, po + n), range(go, go + n)))
     expected = sorted((so, po, go, pid) for so, n, po, go, pid in pieces for so, po, go in
                       zip(range(so, so + n), range(po, po + n), range(go, go + n)))
     assert covered == expected
-    assert vector_elements(pieces) == (sum(r[1] for r in rows if r[5]), sum(p[1] for p in pieces))
+    assert vector_elements(pieces) == (sum(r[1] for r in rows if r[6]), sum(p[1] for p in pieces))
+    assert [r[7] for r in rows] == list(range(len(rows)))  # every row numbered: the 8-bit blocks
 
 
 def test_grad_sumsq_matches_torch_and_counts_non_finite():
@@ -445,7 +449,12 @@ COEFS = adam_coefficients(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"exp_avg": torch.zeros(64, dtype=torch.bfloat16)}, "exp_avg has dtype"),
+    ({"exp_avg": torch.zeros(64, dtype=torch.int32)}, "exp_avg has dtype"),
+    ({"exp_avg": torch.zeros(64, dtype=torch.bfloat16)}, "share one storage format"),
+    ({"exp_avg": torch.zeros(64, dtype=torch.uint8), "exp_avg_sq": torch.zeros(64, dtype=torch.uint8)},
+     "needs its scales"),
+    ({"scales": {"exp_avg": torch.zeros(1)}}, "scales are for 8-bit"),
+    ({"stochastic": True}, "stochastic rounding writes bf16"),
     ({"grad": torch.zeros(64, dtype=torch.int32)}, "grad has dtype"),
     ({"param": torch.zeros(8, 8)}, "param must be a contiguous 1-D"),
     ({"exp_avg_sq": torch.zeros(10)}, "state/master shard"),

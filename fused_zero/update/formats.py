@@ -1,0 +1,112 @@
+"""The state formats of kernels/formats.py on the host and the CPU path, with torch's own ops: the same
+integer recipes, so the CPU path computes the kernels' bits, and a state moved (resharding) or loaded
+(checkpoints) is encoded exactly as an update would encode it.
+
+A *region* here is a shard's state tensor of one moment (region-shaped: one slot per element) in its
+storage dtype, with, for 8-bit moments, one fp32 scale per row of the shard's kernel table (a block:
+``kernels.row_table``). ``values`` decodes a whole region to fp32, ``store_values`` encodes one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels import sr_key
+
+FORMATS = ("fp32", "bf16", "int8")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+SIGNED = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+"""Which moments take the signed 8-bit code (the others are never negative)."""
+
+
+def decode8(code: torch.Tensor, signed: bool) -> torch.Tensor:
+    c = code.to(torch.int32)
+    if signed:
+        e = (c >> 3) & 15
+        bits = torch.where(e == 0, 0, ((e + 112) << 23) | ((c & 7) << 20))
+    else:
+        e = c >> 4
+        bits = torch.where(e == 0, 0, ((e + 112) << 23) | ((c & 15) << 19))
+    value = bits.to(torch.int32).view(torch.float32)
+    return torch.where((c >> 7) == 1, -value, value) if signed else value  # negation: the sign bit
+
+
+def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    bits = y.contiguous().view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    if signed:
+        r = mag + 0x7FFFF + ((mag >> 20) & 1)
+        e = (r >> 23) - 112
+        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
+        code = torch.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
+    else:
+        r = mag + 0x3FFFF + ((mag >> 19) & 1)
+        e = (r >> 23) - 112
+        code = torch.where(e >= 1, (e << 4) | ((r >> 19) & 15), torch.where(mag != 0, 16, 0))
+    return code.to(torch.uint8)
+
+
+def encode_block(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's codes and scale (its largest magnitude), as the kernels' ``store_moment``."""
+    s = x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
+    y = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0) if x.numel() else x
+    return encode8(y, signed), s
+
+
+def round_stochastic(p: torch.Tensor, key: int, elem: torch.Tensor) -> torch.Tensor:
+    """bf16 by stochastic rounding (kernels/formats.py), ``elem`` each element's index in its parameter."""
+    h = _mix32(key ^ ((elem * 0x9E3779B9) & 0xFFFFFFFF))
+    bits = p.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = ((bits + (h >> 16)) >> 16).to(torch.int32).to(torch.int16)
+    return torch.where(p != p, torch.full_like(out, 0x7FC0), out).view(torch.bfloat16)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def sr_keys(seed: int, steps: np.ndarray) -> np.ndarray:
+    """Every parameter's rounding key of this step (step counts after it), by optimizer index."""
+    return np.array([sr_key(seed, int(step), pid) for pid, step in enumerate(steps)], dtype=np.int64)
+
+
+# ---------------------------------------------------------------------- whole regions
+
+
+def _blocks(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """Each region slot's block (row) number; -1 where no row covers it."""
+    out = torch.full((size,), -1, dtype=torch.int64)
+    for so, n, *_, block in rows[:, [0, 1, 7]].tolist():
+        out[so:so + n] = block
+    return out
+
+
+def values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A region decoded to fp32 (slots no row covers: 0)."""
+    if t.dtype == torch.float32:
+        return t
+    if t.dtype == torch.bfloat16:
+        return t.float()
+    block = _blocks(rows, t.numel())
+    covered = block >= 0
+    out = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+    out[covered] = decode8(t[covered], SIGNED[name]) * scale[block[covered]]
+    return out
+
+
+def store_values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str,
+                 x: torch.Tensor) -> None:
+    """Encode fp32 ``x`` (region-shaped) into the region, block by block for 8-bit moments."""
+    if t.dtype != torch.uint8:
+        t.copy_(x)
+        return
+    signed = SIGNED[name]
+    for so, n, block in rows[:, [0, 1, 7]].tolist():
+        codes, s = encode_block(x[so:so + n], signed)
+        t[so:so + n] = codes
+        scale[block] = s

@@ -1,0 +1,240 @@
+"""Compact optimizer state (``state_format`` "bf16" and "int8", ``stochastic_rounding``) against its
+oracle in every overlap mode x both reductions at 1, 2 and 4 ranks (formats_scenarios.py), the
+stochastic rounding's statistics and reproducibility, checkpoints in both forms with a format change,
+and the refusals. The kernels' side of the formats is test_kernel_exact.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from distributed import run_ranks
+from expect import raises
+from formats_scenarios import HPARAMS, FormatCase, build, run_format_cases, train
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_zero
+from fused_zero.update.formats import round_stochastic
+
+MODES = list(itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")))
+TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "int8") for o in ("AdamW", "SGD")
+        for m, r in MODES]
+       + [FormatCase(state_format="int8", amsgrad=True, overlap="step"),
+          FormatCase(state_format="fp32", stochastic=True, overlap="bucket"),
+          FormatCase(state_format="int8", stochastic=True, overlap="backward", grad_reduce="all_reduce"),
+          FormatCase(state_format="bf16", stochastic=True, opt="SGD", overlap="step"),
+          FormatCase(state_format="int8", overlap="backward", backend="triton"),
+          FormatCase(state_format="int8", opt="SGD", stochastic=True, overlap="step", backend="triton"),
+          FormatCase(state_format="bf16", amsgrad=True, overlap="bucket", grad_reduce="all_reduce", backend="triton")])
+ONE_AND_FOUR = [FormatCase(state_format=f, overlap=m, grad_reduce=r) for f in ("bf16", "int8") for m, r in MODES[::2]] \
+    + [FormatCase(state_format="int8", stochastic=True, overlap="step", grad_reduce="all_reduce")]
+
+
+def test_formats_two_ranks():
+    names = [c.name() for c in TWO]
+    assert run_ranks(run_format_cases, 2, TWO) == [names, names]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_formats_one_and_four_ranks(world):
+    names = [c.name() for c in ONE_AND_FOUR]
+    assert run_ranks(run_format_cases, world, ONE_AND_FOUR) == [names] * world
+
+
+def _oracle_off(rank, world):
+    built = build(FormatCase(state_format="int8", steps=2))
+    try:
+        train(FormatCase(state_format="bf16", steps=2), rank, world, built=built)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+    finally:
+        built[2]._engine.close()
+    return None
+
+
+def test_the_oracle_sees_a_format_that_is_off():
+    """An 8-bit moment encoded with one fraction bit less would train nearly as well; the comparison
+    must still fail: here the oracle keeps bf16 moments while fused_zero keeps 8 bits."""
+    assert all(found is not None for found in run_ranks(_oracle_off, 2))
+
+
+# ---------------------------------------------------------------------- stochastic rounding
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Many roundings of one value (one per element index: the hash's input) average to it: within
+    four standard deviations of the binomial mean, for values across a binade and of both signs."""
+    n = 1 << 16
+    elem = torch.arange(n)
+    for x in (1.0 + 2 ** -9, 1.0 + 2 ** -8 - 2 ** -12, -3.14159, 7.3e-5, -1e4 - 3.0):
+        value = torch.full((n,), x, dtype=torch.float32)
+        lo = value.to(torch.bfloat16).float()  # a neighbour (nearest); the other one an ulp away
+        rounded = round_stochastic(value, key=0x1234567, elem=elem).float()
+        up = float((rounded != lo).float().mean())
+        assert set(torch.unique(rounded).tolist()) <= {float(lo[0]), float(torch.nextafter(lo[:1].to(torch.bfloat16),
+                                                         torch.tensor([math.copysign(math.inf, x - float(lo[0]))],
+                                                                      dtype=torch.bfloat16)).float())}
+        mean, ulp = float(rounded.double().mean()), float((rounded - lo).abs().max()) or 1.0
+        p = abs(x - float(lo[0])) / ulp
+        sigma = ulp * math.sqrt(max(p * (1 - p), 1e-12) / n)
+        assert abs(mean - x) <= 4 * sigma + 1e-12 * abs(x), (x, mean, up, sigma)
+
+
+def _same_data_run(rank, world):
+    case = FormatCase(state_format="bf16", stochastic=True, overlap="bucket", grad_reduce="all_reduce",
+                      same_data=True, steps=6)
+    model, *_ = train(case, rank, world)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_stochastic_rounding_is_the_same_at_any_world_size():
+    """Every rank on the same batches, so the reduced gradient is the single rank's exactly (a power of
+    two divides exactly): the rounded bits must then be the same at 1, 2 and 4 ranks, though which rank
+    updates which element changes. (bf16 moments: 8-bit blocks are cut by the layout, so their scales,
+    and with them the moments, do change with the world size.)"""
+    runs = {world: run_ranks(_same_data_run, world)[0] for world in (1, 2, 4)}
+    for world in (2, 4):
+        for a, b in zip(runs[1], runs[world]):
+            assert torch.equal(a, b), f"world {world} rounded otherwise than world 1"
+
+
+def _resume(rank, world):
+    case = FormatCase(state_format="int8", stochastic=True, overlap="step", steps=6)
+    whole = train(case, rank, world)
+    final = [p.detach().float() for p in whole[0].parameters()]
+    whole[2]._engine.close()
+    part = train(case, rank, world, steps=3)
+    fresh = build(case)
+    fresh[0].load_state_dict(part[0].state_dict())
+    fresh[2].load_state_dict(part[2].state_dict())  # the 8-bit codes come back from the decoded dict
+    fresh[3].load_state_dict(part[3].state_dict())
+    fresh[5].load_state_dict(part[5].state_dict())
+    for w, v in zip(fresh[7], part[7]):
+        w.data.copy_(v)
+    part[2]._engine.close()
+    train(case, rank, world, built=fresh, start=4, steps=3)  # equal to the oracle at every step
+    fresh[2]._engine.close()
+    return max(float((a.detach().float() - b).abs().max()) for a, b in zip(fresh[0].parameters(), final))
+
+
+def test_a_resume_continues_as_its_oracle():
+    """Resumed from the canonical dict, the run equals its oracle bit for bit at every step. It is not
+    the uninterrupted run bit for bit: its first iteration runs in DDP's first buckets, which cut other
+    8-bit blocks than the rebuilt ones (the format follows the layout); over the three steps after it,
+    no weight moves further from the uninterrupted run's than one step's size."""
+    lr = HPARAMS["AdamW"]["lr"]
+    for drift in run_ranks(_resume, 2):
+        assert 0 < drift < lr, drift
+
+
+# ---------------------------------------------------------------------- checkpoints and refusals
+
+
+def stored(opt) -> list[torch.Tensor]:
+    """Every shard's stored state: codes (or bf16 moments) and scales."""
+    return [t for s in opt._engine.shards() for t in (*s.state.values(), *s.scales.values())]
+
+
+def _checkpoints(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    out = {}
+    int8 = FormatCase(state_format="int8", steps=3)
+    built = train(int8, rank, world)
+    opt = built[2]
+    sd = opt.state_dict()
+    out["recorded"] = sd.get("fused_zero") == {"state_format": "int8"}
+    codes = [t.clone() for t in stored(opt)]
+    opt.load_state_dict(sd)  # decoded, then encoded again: the same codes and scales
+    out["same codes"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
+    # torch.optim loads the decoded dict as it is
+    ref = torch.optim.AdamW([p.detach().clone() for p in built[0].parameters()], lr=1e-2)
+    ref.load_state_dict(sd)
+    out["torch.optim loads it"] = torch.equal(ref.state[ref.param_groups[0]["params"][0]]["exp_avg"],
+                                              sd["state"][0]["exp_avg"])
+    # a format change at load: the 8-bit dict into fp32 (exactly the decoded values), and back
+    fp32 = build(FormatCase(state_format="fp32"))
+    fp32[0].load_state_dict(built[0].state_dict())
+    fp32[2].load_state_dict(sd)
+    back = fp32[2].state_dict()
+    out["into fp32"] = all(torch.equal(back["state"][i][k], v) for i, e in sd["state"].items() for k, v in e.items())
+    opt.load_state_dict(back)  # back at the layout it was saved in: the same codes (blocks follow the layout)
+    out["back to int8"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
+    again = build(FormatCase(state_format="int8"))
+    again[0].load_state_dict(built[0].state_dict())
+    again[2].load_state_dict(back)
+    # DCP holds the decoded values: loaded into a fresh int8 optimizer, the same codes as the
+    # canonical dict gives there (``again``: the same layout); into bf16, the values rounded to bf16
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    third = build(FormatCase(state_format="int8"))
+    third[0].load_state_dict(built[0].state_dict())
+    target = third[2].sharded_state_dict()
+    dcp.load(target, checkpoint_id=path)
+    third[2].load_sharded_state_dict(target)
+    out["dcp int8"] = all(torch.equal(a, b) for a, b in zip(stored(again[2]), stored(third[2])))
+    bf16 = build(FormatCase(state_format="bf16"))
+    target = bf16[2].sharded_state_dict()
+    dcp.load(target, checkpoint_id=path)
+    bf16[2].load_sharded_state_dict(target)
+    out["dcp int8 into bf16"] = all(torch.equal(bf16[2].state_dict()["state"][i][k], v.bfloat16().float())
+                                    for i, e in sd["state"].items() for k, v in e.items() if k != "step")
+    for b in (built, fp32, again, third, bf16):
+        b[2]._engine.close()
+    return out
+
+
+def test_checkpoints_in_both_forms(tmp_path):
+    for out in run_ranks(_checkpoints, 2, str(tmp_path / "int8")):
+        assert all(v is True for v in out.values()), [(k, v) for k, v in out.items() if v is not True]
+
+
+def _save(rank, world, state_format, path):
+    import torch.distributed.checkpoint as dcp
+    built = train(FormatCase(state_format=state_format, steps=3), rank, world)
+    dcp.save(built[2].sharded_state_dict(), checkpoint_id=path)
+    out = (built[0].state_dict(), built[2].state_dict())
+    built[2]._engine.close()
+    return out
+
+
+def _load_both_ways(rank, world, state_format, path, weights, canonical_sd):
+    """The DCP checkpoint and the canonical dict of one run, loaded here: the same stored state."""
+    import torch.distributed.checkpoint as dcp
+    by_dict, by_dcp = build(FormatCase(state_format=state_format)), build(FormatCase(state_format=state_format))
+    for b in (by_dict, by_dcp):
+        b[0].load_state_dict(weights)
+    by_dict[2].load_state_dict(canonical_sd)
+    target = by_dcp[2].sharded_state_dict()
+    dcp.load(target, checkpoint_id=path)
+    by_dcp[2].load_sharded_state_dict(target)
+    same = all(torch.equal(a, b) for a, b in zip(stored(by_dict[2]), stored(by_dcp[2])))
+    for b in (by_dict, by_dcp):
+        b[2]._engine.close()
+    return same
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_dcp_loads_at_another_world_size(tmp_path, state_format):
+    """Saved at 2 ranks, loaded at 1 and 4: what the canonical dict of the same run loads to."""
+    path = str(tmp_path / state_format)
+    weights, sd = run_ranks(_save, 2, state_format, path)[0]
+    for world in (1, 4):
+        assert run_ranks(_load_both_ways, world, state_format, path, weights, sd) == [True] * world
+
+
+def _refusals(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ddp = DDP(model)
+    out = [raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, state_format="fp8"), ValueError, "state_format"),
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True), ValueError,
+                  "stochastic_rounding rounds fp32 results to bf16"),
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True, master_weights=True),
+                  ValueError, "master_weights=True"),
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, seed=-1), ValueError, "seed")]
+    return out
+
+
+def test_refusals():
+    assert all(v.startswith("ok") for v in run_ranks(_refusals, 1)[0])
