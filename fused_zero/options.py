@@ -38,8 +38,6 @@ class ShardingOptions:
         param_sync: "step" (``step()`` returns with every parameter updated) or "forward" (each
             module's forward pre-hook waits for the buckets it reads).
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
-        checkpoint_handshake: let rank 0 call ``state_dict()`` alone (a per-iteration handshake through
-            the process group's store, see checkpoint/rank0.py); False: call it on every rank.
     """
 
     grad_reduce: str = "reduce_scatter"
@@ -50,7 +48,6 @@ class ShardingOptions:
     backend: str = "auto"
     grad_scaler: object = None
     on_nonfinite: str = "skip"
-    checkpoint_handshake: bool = True
 
     def __post_init__(self):
         _check_choice("overlap", self.overlap, OVERLAPS)
@@ -61,8 +58,6 @@ class ShardingOptions:
         if self.grad_scaler is not None and self.overlap == "bucket":
             raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
                              "a bucket is updated before the later buckets' overflow check is known")
-        if not isinstance(self.checkpoint_handshake, bool):
-            raise ValueError(f"checkpoint_handshake must be True or False, got {self.checkpoint_handshake!r}")
         if self.max_grad_norm is not None:
             if self.overlap == "bucket":
                 raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "

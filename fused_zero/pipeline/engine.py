@@ -15,7 +15,6 @@ hooks (hooks.py). The options and their checks are the public ones (fused_zero/o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,9 +78,6 @@ class Engine:
         skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
-        iteration_start: callables run at each synced iteration's first bucket, before any of its
-            collectives (the rank-0 checkpoint's handshake, checkpoint/rank0.py).
-        forward_start: callables run with the DDP's module at the start of each of its forwards.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
@@ -115,8 +111,6 @@ class Engine:
         self.reduction = Reduction(self, ddp)
         self.updates = Updates(self)
         self.policy = StepPolicy(self)
-        self.iteration_start: list[Callable[[], None]] = []
-        self.forward_start: list[Callable[[torch.nn.Module], None]] = []
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             build_segments=self.backend == "triton", device=self.device, group=self.group,
@@ -216,8 +210,6 @@ class Engine:
             self.iteration = _Iteration()
         it = self.iteration
         if it.hparams is None:
-            for start in self.iteration_start:  # before this iteration's first collective
-                start()
             self.side.join()
             it.hparams = self._read_hparams()
         if shard is None:
