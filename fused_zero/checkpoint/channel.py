@@ -36,6 +36,17 @@ under 2**31 (gloo's tags are non-negative 32-bit ints)."""
 TEXT_BYTES = 1024
 """A header: a short utf-8 text, zero-padded (an empty text means "served as asked")."""
 
+JOIN_DEADLINE_S = 60.0
+"""How long a server waits for its rank to complete the requester's step, and ``state_dict(to=r)``
+waits for rank r to ask. Tests lower it (read at each use)."""
+
+TRANSFER_DEADLINE_S = 300.0
+"""How long one message may take: a server busy with another requester answers late, never not at all.
+Only a hung process runs it out (a process that exits fails a message at once)."""
+
+EXIT_DEADLINE_S = 60.0
+"""How long an exiting process lets the requests announced to it finish (server.py)."""
+
 
 class ChannelError(RuntimeError):
     """A message to or from a peer failed: its process is gone, or it did not answer in time."""
@@ -83,10 +94,16 @@ class Channel:
         self.abandoned: list = []
 
     def start_send(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self.group.send([tensor], peer, tag)
+        try:  # with lazy connections, the first message to a peer connects, and may fail right here
+            return self.group.send([tensor], peer, tag)
+        except RuntimeError as e:
+            raise self._failed(e, "sending to", peer, None) from None
 
     def start_recv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self.group.recv([tensor], peer, tag)
+        try:
+            return self.group.recv([tensor], peer, tag)
+        except RuntimeError as e:
+            raise self._failed(e, "receiving from", peer, None) from None
 
     def wait(self, work, tensor, peer: int, what: str, deadline_s: float | None) -> None:
         """Wait for ``work`` (a message of ``tensor`` to or from ``peer``); ChannelError on failure."""
@@ -97,9 +114,14 @@ class Channel:
                 work.wait(datetime.timedelta(seconds=deadline_s))
         except RuntimeError as e:
             self.abandoned.append((work, tensor))
-            gone = "closed" in str(e).lower() or "peer" in str(e).lower()
-            why = "its process is gone" if gone else f"no answer within {deadline_s:.0f} s"
-            raise ChannelError(f"{what} rank {peer} failed ({why}; gloo: {str(e).splitlines()[0][:200]})") from None
+            raise self._failed(e, what, peer, deadline_s) from None
+
+    @staticmethod
+    def _failed(e: RuntimeError, what: str, peer: int, deadline_s: float | None) -> ChannelError:
+        text = str(e).lower()
+        timed_out = "timed out" in text or "timeout" in text
+        why = f"no answer within {deadline_s:.0f} s" if timed_out and deadline_s else "its process is gone"
+        return ChannelError(f"{what} rank {peer} failed ({why}; gloo: {str(e).splitlines()[0][:160]})")
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, deadline_s: float) -> None:
         self.wait(self.start_send(tensor, peer, tag), tensor, peer, "sending to", deadline_s)

@@ -12,7 +12,7 @@ the training thread out:
 
 - **Versions.** Every rank counts its completed optimizer steps and loads (``published``, called by
   the training thread after each). A request carries the requester's count; a server waits (up to
-  ``JOIN_DEADLINE_S``) until its own rank has published that count, and refuses any other.
+  ``channel.JOIN_DEADLINE_S``) until its own rank has published that count, and refuses any other.
 - **Why nothing moves under the server's reads.** A rank's state regions, and the registry saying
   where they are, change only in ``step()`` (before it publishes), in a load (after a collective
   check) or after a collective of the next iteration (its reductions, a reshard's all_to_all). A
@@ -26,39 +26,32 @@ the training thread out:
 - **No per-iteration cost** beyond the count (and, on CUDA, one event): no store traffic, no message.
 
 Who talks to whom, per ``state_dict()`` call on rank r (``to=None`` or ``to=r``): r announces itself to
-every rank (a listener thread records it: that is how ``state_dict(to=r)`` on the other ranks learns
-that r asked), then asks the ranks one at a time, in rank order, for their slices, which their server
-thread sends (a refusal first, if any). Several requesters at once (``state_dict()`` on every rank)
-never deadlock: each holds one server at a time and takes them in the same order.
-``state_dict(to=r)`` on a rank other than r returns None once r's announcement arrived, or raises
-after ``JOIN_DEADLINE_S``.
+every rank (their listener thread records it at once, server.py), then asks the ranks one at a time,
+in rank order, for their slices, which their server thread sends (a refusal first, if any); should it
+fail on the way, it withdraws the announcement where it did not ask yet. Several requesters at once
+(``state_dict()`` on every rank) never deadlock: each holds one server at a time and takes them in
+the same order. ``state_dict(to=r)`` on a rank other than r returns None once that rank has served
+r (so no rank leaves while r still needs it), or raises if r did not ask within ``channel.JOIN_DEADLINE_S``.
 
-Lifetime: the two threads are daemons, blocked in a receive when idle; one pair per DDP process group
-and process, shared by its optimizers (numbered in attach order, the same on every rank). A process
-exits, or destroys its process groups, with them blocked; a peer that exits mid-request makes the
-request fail at once on the other side with this module's error.
+All deadlines are ``channel``'s (``JOIN_DEADLINE_S`` for a rank to get somewhere, ``channel.TRANSFER_DEADLINE_S``
+for a message). Keep every rank alive until a rank-0-only ``state_dict()`` has returned (any collective
+does: the training step after it, a barrier before exiting): a rank that exits first leaves part of the
+state unreachable, and the call fails at once, saying so; one that exits while rank 0 is being served
+waits for that to finish (server.py).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
-import weakref
 
 import torch
 
+from . import channel
 from .canonical import layout_fingerprint, sharded_slices
 from .channel import ANNOUNCE_TAG, REQUEST_TAG, Channel, ChannelError, request_tag
-
-JOIN_DEADLINE_S = 60.0
-"""How long a server waits for its rank to complete the requester's step, and ``state_dict(to=r)``
-waits for rank r to ask. Tests lower it."""
-
-TRANSFER_DEADLINE_S = 300.0
-"""How long one message may take: a server busy with another requester answers late, never not at all.
-Only a hung process runs it out (a process that exits fails a message at once)."""
+from .server import CANCELLED, ShardServer, server_for
 
 WINDOW = 8
 """Messages in flight per peer while slices are sent and received."""
@@ -71,86 +64,9 @@ class CheckpointSyncError(RuntimeError):
     """``state_dict()`` could not be served; raised on the calling ranks, with what to do."""
 
 
-_servers: dict[int, ShardServer] = {}  # id(DDP process group) -> its server (which keeps the group alive)
-
-
 def peers_for(engine) -> CheckpointPeers:
-    """This optimizer's side of rank-0-only (any-rank) ``state_dict()``; at ``attach``, on every rank."""
-    if engine.world == 1:
-        return CheckpointPeers(engine, None)
-    server = _servers.get(id(engine.group))
-    if server is None or server.ddp_group is not engine.group:
-        server = _servers[id(engine.group)] = ShardServer(engine.group)
-    return CheckpointPeers(engine, server)
-
-
-class ShardServer:
-    """One DDP process group's checkpoint threads in this process: a listener for announcements and a
-    server for requests, over one Channel, for every optimizer attached to that group.
-
-    Attributes:
-        optimizers: number -> weak reference to that optimizer's CheckpointPeers.
-        announced: (optimizer number, rank) -> the (version, to) of that rank's recent announcements.
-        cond: guards ``announced``; notified on each announcement.
-        requests: this rank's request numbers (they pick the messages' tags).
-    """
-
-    def __init__(self, ddp_group):
-        self.ddp_group = ddp_group
-        self.channel = Channel(ddp_group)
-        self.rank = self.channel.rank
-        self.optimizers: dict[int, weakref.ref] = {}
-        self.announced: dict[tuple[int, int], collections.deque] = {}
-        self.cond = threading.Condition()
-        self.requests = itertools.count()
-        self._numbers = itertools.count()
-        for target, name in ((self._listen, "listener"), (self._serve, "server")):
-            threading.Thread(target=target, name=f"fused_zero-checkpoint-{name}", daemon=True).start()
-
-    def register(self, peers: CheckpointPeers) -> int:
-        number = next(self._numbers)
-        self.optimizers[number] = weakref.ref(peers)
-        return number
-
-    def _listen(self) -> None:
-        while True:
-            msg = torch.zeros(4, dtype=torch.int64)
-            try:
-                src = self.channel.recv_any(msg, ANNOUNCE_TAG)
-            except Exception:  # the group is gone (destroyed): nothing left to listen to
-                return
-            number, version, to, _ = msg.tolist()
-            with self.cond:
-                self.announced.setdefault((number, src), collections.deque(maxlen=16)).append((version, to))
-                self.cond.notify_all()
-
-    def _serve(self) -> None:
-        while True:
-            msg = torch.zeros(5, dtype=torch.int64)
-            try:
-                src = self.channel.recv_any(msg, REQUEST_TAG)
-            except Exception:
-                return
-            number, version, _, k, fingerprint = msg.tolist()
-            try:
-                ref = self.optimizers.get(number)
-                peers = ref() if ref is not None else None
-                if peers is None:
-                    why = (f"rank {self.rank} has no fused_zero optimizer number {number} on this process group "
-                           "(attach the optimizers in the same order on every rank)")
-                else:
-                    why = peers.ready_for(version, fingerprint)
-                self.channel.send_text(why, src, request_tag(k, 0), TRANSFER_DEADLINE_S)
-                if not why:
-                    peers.send_slices(self.channel, src, k)
-            except ChannelError:
-                continue  # the requester's process is gone or stuck; it raised on its side
-            except Exception as e:  # never let the thread die: later requests would wait for nothing
-                try:
-                    self.channel.send_text(f"rank {self.rank} failed to serve: {type(e).__name__}: {e}", src,
-                                           request_tag(k, 0), TRANSFER_DEADLINE_S)
-                except Exception:
-                    pass
+    """This optimizer's side of ``state_dict()`` across ranks; at ``attach``, on every rank."""
+    return CheckpointPeers(engine, server_for(engine.group) if engine.world > 1 else None)
 
 
 class CheckpointPeers:
@@ -196,33 +112,45 @@ class CheckpointPeers:
         if self.server is None:
             return make_builder().local().result()
         if to is not None and to != e.rank:
-            self._await_announcement(to)
+            self._await_served(to)
             return None
         k = next(self.server.requests)
-        self._announce(to, k)
-        builder = make_builder().local()
-        for src in range(e.world):
-            if src != e.rank:
-                self._fetch_from(src, k, builder)
-        return builder.result()
+        others = [r for r in range(e.world) if r != e.rank]
+        self._announce(to, k, others)
+        try:
+            builder = make_builder().local()
+            while others:
+                self._fetch_from(others[0], k, builder)
+                others.pop(0)
+            return builder.result()
+        finally:
+            if others:  # failed on the way: the ranks not asked yet stop waiting for this request
+                try:
+                    self._announce(CANCELLED, k, others, deadline_s=5.0)
+                except CheckpointSyncError:
+                    pass
 
-    def _announce(self, to: int | None, k: int) -> None:
+    def _announce(self, to: int | None, k: int, ranks: list[int], deadline_s: float | None = None) -> None:
         ch = self.server.channel
         msg = torch.tensor([self.number, self.version, -1 if to is None else to, k], dtype=torch.int64)
-        works = [(ch.start_send(msg, r, ANNOUNCE_TAG), r) for r in range(self.engine.world) if r != self.engine.rank]
+        works = [(ch.start_send(msg, r, ANNOUNCE_TAG), r) for r in ranks]
         try:
             for work, r in works:
-                ch.wait(work, msg, r, "announcing optimizer.state_dict() to", TRANSFER_DEADLINE_S)
+                ch.wait(work, msg, r, "announcing optimizer.state_dict() to",
+                        channel.TRANSFER_DEADLINE_S if deadline_s is None else deadline_s)
         except ChannelError as err:
-            raise CheckpointSyncError(str(err)) from None
+            raise CheckpointSyncError(f"{err}. Keep every rank alive until optimizer.state_dict() has returned "
+                                      "(e.g. a dist.barrier() before exiting): the other ranks hold their "
+                                      "shards of the state") from None
 
     def _fetch_from(self, src: int, k: int, builder) -> None:
         """Ask rank ``src`` for its slices and add them to ``builder``, ``WINDOW`` messages in flight."""
         ch, e = self.server.channel, self.engine
         request = torch.tensor([self.number, self.version, 0, k, builder.fingerprint], dtype=torch.int64)
+        deadline = channel.TRANSFER_DEADLINE_S
         try:
-            ch.send(request, src, REQUEST_TAG, TRANSFER_DEADLINE_S)
-            why = ch.recv_text(src, request_tag(k, 0), TRANSFER_DEADLINE_S)
+            ch.send(request, src, REQUEST_TAG, deadline)
+            why = ch.recv_text(src, request_tag(k, 0), deadline)
             if why:
                 raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.rank}: {why}")
             pending = collections.deque()
@@ -232,40 +160,47 @@ class CheckpointPeers:
                 if len(pending) >= WINDOW or i == len(builder.slices):
                     while pending:
                         work, buf, shard, name = pending.popleft()
-                        ch.wait(work, buf, src, "receiving optimizer state from", TRANSFER_DEADLINE_S)
+                        ch.wait(work, buf, src, "receiving optimizer state from", deadline)
                         builder.add(shard, name, src * shard.layout.shard, buf)
         except ChannelError as err:
             raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}") from None
 
-    def _await_announcement(self, to: int) -> None:
-        """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version."""
-        server, version = self.server, self.version
-        deadline = time.monotonic() + JOIN_DEADLINE_S
+    def _await_served(self, to: int) -> None:
+        """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version (up to
+        JOIN_DEADLINE_S) and this rank has served it."""
+        server, version, me = self.server, self.version, self.engine.rank
+
+        def announcement():
+            queue = server.announced.get((self.number, to))
+            while queue and queue[0][0] < version:
+                queue.popleft()  # an older checkpoint this rank did not take part in
+            return queue.popleft() if queue else None
+
         with server.cond:
-            while True:
-                queue = server.announced.get((self.number, to), collections.deque())
-                while queue and queue[0][0] < version:
-                    queue.popleft()  # an older checkpoint this rank did not take part in
-                if queue:
-                    theirs, _ = queue.popleft()
-                    if theirs == version:
-                        return
-                    raise CheckpointSyncError(f"rank {to} called optimizer.state_dict() at version {theirs}, this "
-                                              f"rank {self.engine.rank} at {version} (steps and loads): " + USAGE)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CheckpointSyncError(
-                        f"optimizer.state_dict(to={to}) on rank {self.engine.rank}: rank {to} did not call "
-                        f"optimizer.state_dict() within {JOIN_DEADLINE_S:.0f} s. Only rank {to} receives the dict, "
-                        f"so it must call it too (or call it on rank {to} alone)")
-                server.cond.wait(min(left, 0.5))
+            found = server.wait(announcement, channel.JOIN_DEADLINE_S)
+            if found is None:
+                raise CheckpointSyncError(
+                    f"optimizer.state_dict(to={to}) on rank {me}: rank {to} did not call optimizer.state_dict() "
+                    f"within {channel.JOIN_DEADLINE_S:.0f} s. Only rank {to} receives the dict, so it must call it "
+                    f"too (or call it on rank {to} alone)")
+            theirs, _, k = found
+            if theirs != version:
+                raise CheckpointSyncError(f"rank {to} called optimizer.state_dict() at version {theirs}, rank {me} "
+                                          f"at {version} (completed steps and loads): " + USAGE)
+            why = server.wait(lambda: server.outcomes.get((to, k)), channel.TRANSFER_DEADLINE_S)
+        if why is None:
+            raise CheckpointSyncError(f"rank {me} did not finish serving rank {to} within "
+                                      f"{channel.TRANSFER_DEADLINE_S:.0f} s")
+        if why:
+            raise CheckpointSyncError(f"optimizer.state_dict(to={to}) on rank {me}: rank {to} was not served "
+                                      f"here: {why}")
 
     # ------------------------------------------------------------------ the server thread
 
     def ready_for(self, version: int, fingerprint: int) -> str:
         """Why this rank cannot serve ``version`` ("" once it can), waiting up to JOIN_DEADLINE_S for its
         training thread to publish it."""
-        deadline = time.monotonic() + JOIN_DEADLINE_S
+        deadline = time.monotonic() + channel.JOIN_DEADLINE_S
         with self._cond:
             self._waiting = True
             try:
@@ -275,9 +210,9 @@ class CheckpointPeers:
                 self._waiting = False
         mine = self.version
         if mine != version:
+            late = f", and it did not get there within {channel.JOIN_DEADLINE_S:.0f} s" if mine < version else ""
             return (f"rank {self.engine.rank} is at version {mine} (completed steps and loads), the requester at "
-                    f"{version}" + (f", and it did not get there within {JOIN_DEADLINE_S:.0f} s" if mine < version
-                                    else "") + ": " + USAGE)
+                    f"{version}{late}: " + USAGE)
         if layout_fingerprint(self.engine) != fingerprint:
             return f"rank {self.engine.rank} holds another bucket layout than the requester's at the same version"
         return ""
@@ -294,7 +229,7 @@ class CheckpointPeers:
             if len(pending) >= WINDOW or i == len(order):
                 while pending:
                     work, data = pending.popleft()
-                    ch.wait(work, data, dst, "sending optimizer state to", TRANSFER_DEADLINE_S)
+                    ch.wait(work, data, dst, "sending optimizer state to", channel.TRANSFER_DEADLINE_S)
 
     def _host(self, region: torch.Tensor) -> torch.Tensor:
         """``region`` readable by gloo: itself on the CPU; on CUDA a host copy made on this thread's own

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.checkpoint import serving
+from fused_zero.checkpoint import channel, serving
 from fused_zero.demo.spawn import store_requests
 
 
@@ -169,7 +169,7 @@ def _error_of(fn, exc=serving.CheckpointSyncError) -> tuple[str, float]:
 def misuses(rank, world):
     """Each misuse raises on the calling ranks within the deadline (lowered to 2 s), and leaves training
     and later checkpoints working."""
-    serving.JOIN_DEADLINE_S = 2.0
+    channel.JOIN_DEADLINE_S = 2.0
     case = Case(opt="AdamW", bucket_cap_mb=0.0001, accumulate=2)
     built = build(case, rank)
     ddp, opt = built[1], built[2]
