@@ -149,6 +149,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Whether ``attach(ddp)`` (or ``ddp=`` at construction) has run."""
         return self._engine is not None
 
+    @property
+    def _reads_grad_at_step(self) -> bool:
+        """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
+        grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
+        unscaling) are honored as torch.optim honors them (pipeline/step_policy.py)."""
+        e = self._attached_engine("_reads_grad_at_step")
+        return e.overlap == "step" and e.grad_reduce == "all_reduce"
+
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
             raise RuntimeError(_not_attached(self, what))

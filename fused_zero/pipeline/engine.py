@@ -78,6 +78,9 @@ class Engine:
         skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
+        grad_sumsq: the global sum of squares of the last update's reduced, unscaled gradients (a device
+            scalar; in overlap modes "step" and "backward", where one update covers every bucket: the
+            pre-clip norm squared, which the integrations' clip_grad_norm_ returns), or None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
@@ -111,6 +114,7 @@ class Engine:
         self.reduction = Reduction(self, ddp)
         self.updates = Updates(self)
         self.policy = StepPolicy(self)
+        self.grad_sumsq: torch.Tensor | None = None
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             build_segments=self.backend == "triton", device=self.device, group=self.group,

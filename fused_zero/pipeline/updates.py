@@ -159,6 +159,7 @@ class Updates:
         stats[2] = float(it.edited)
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
             dist.all_reduce(stats, group=self.group, async_op=True).wait()
+        e.grad_sumsq = stats[0]
         found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
         it.edited = bool(stats[2] > 0) if e.device.type == "cpu" else it.edited
         clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
