@@ -4,9 +4,8 @@
 from fused_zero.demo.spawn import run_ranks as _run_ranks
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 600.0, count_store: bool = False):
-    return _run_ranks(fn, world, *args, timeout=timeout, backend="gloo", collective_timeout=90.0,
-                      count_store=count_store)
+def run_ranks(fn, world: int, *args, timeout: float = 600.0):
+    return _run_ranks(fn, world, *args, timeout=timeout, backend="gloo", collective_timeout=90.0)
 
 
 __all__ = ["run_ranks"]

@@ -15,6 +15,9 @@ checkpoint first makes them talk: the cost is paid when checkpoints are taken, n
 
 Every wait has a deadline. The protocol (serving.py) is built so that a healthy peer always answers
 within it, refusals included; a deadline that expires means the peer's process is gone or stuck.
+
+Only requesters receive here, and only while they are in ``state_dict()``; servers only send, while
+they serve. No thread ever waits here for a message that may never come (server.py, inbox.py).
 """
 
 from __future__ import annotations
@@ -25,12 +28,8 @@ import os
 import torch
 import torch.distributed as dist
 
-ANNOUNCE_TAG, REQUEST_TAG = 1, 2
-"""The two message kinds a rank listens for from any rank (serving.py): a requester's announcement,
-and its request to be served."""
-
 _WINDOW, _PER_REQUEST = 1 << 10, 1 << 20
-"""Tags of request ``k``: ``3 + (k mod 1024) * 2**20 + i`` for its i-th message (header first), all
+"""Tags of request ``k``: ``1 + (k mod 1024) * 2**20 + i`` for its i-th message (header first), all
 under 2**31 (gloo's tags are non-negative 32-bit ints)."""
 
 TEXT_BYTES = 1024
@@ -55,18 +54,21 @@ class ChannelError(RuntimeError):
 def request_tag(request: int, index: int) -> int:
     if index >= _PER_REQUEST:
         raise ValueError(f"a checkpoint request uses at most {_PER_REQUEST} messages")
-    return 3 + (request % _WINDOW) * _PER_REQUEST + index
+    return 1 + (request % _WINDOW) * _PER_REQUEST + index
 
 
 def _lazy_gloo_group(ranks: list[int], whole_world: bool):
     """A new gloo group of ``ranks`` whose pairs connect on first use. Every rank of the default group
-    calls ``new_group`` when ``ranks`` is all of it; a subgroup is created by its members alone."""
+    calls ``new_group`` when ``ranks`` is all of it; a subgroup is created by its members alone. Its own
+    timeout, JOIN_DEADLINE_S, bounds what no deadline here can: connecting a pair (to a peer that
+    exited mid-handshake, gloo would otherwise wait for the default group's 30 minutes)."""
     saved = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    timeout = datetime.timedelta(seconds=JOIN_DEADLINE_S)
     try:
         if whole_world:
-            return dist.new_group(backend="gloo", group_desc="fused_zero_checkpoint")
-        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+            return dist.new_group(backend="gloo", timeout=timeout, group_desc="fused_zero_checkpoint")
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True,
                               group_desc="fused_zero_checkpoint")
     finally:
         if saved is None:
@@ -105,13 +107,10 @@ class Channel:
         except RuntimeError as e:
             raise self._failed(e, "receiving from", peer, None) from None
 
-    def wait(self, work, tensor, peer: int, what: str, deadline_s: float | None) -> None:
+    def wait(self, work, tensor, peer: int, what: str, deadline_s: float) -> None:
         """Wait for ``work`` (a message of ``tensor`` to or from ``peer``); ChannelError on failure."""
         try:
-            if deadline_s is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=deadline_s))
+            work.wait(datetime.timedelta(seconds=deadline_s))
         except RuntimeError as e:
             self.abandoned.append((work, tensor))
             raise self._failed(e, what, peer, deadline_s) from None
@@ -128,12 +127,6 @@ class Channel:
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int, deadline_s: float) -> None:
         self.wait(self.start_recv(tensor, peer, tag), tensor, peer, "receiving from", deadline_s)
-
-    def recv_any(self, tensor: torch.Tensor, tag: int) -> int:
-        """Block until some rank sends on ``tag`` (no deadline: a listening thread); its rank."""
-        work = self.group.recv_anysource([tensor], tag)
-        work.wait()
-        return work._source_rank()
 
     def send_text(self, text: str, peer: int, tag: int, deadline_s: float) -> None:
         data = text.encode()[:TEXT_BYTES]

@@ -12,7 +12,7 @@ the training thread out:
 
 - **Versions.** Every rank counts its completed optimizer steps and loads (``published``, called by
   the training thread after each). A request carries the requester's count; a server waits (up to
-  ``channel.JOIN_DEADLINE_S``) until its own rank has published that count, and refuses any other.
+  ``JOIN_DEADLINE_S``) until its own rank has published that count, and refuses any other.
 - **Why nothing moves under the server's reads.** A rank's state regions, and the registry saying
   where they are, change only in ``step()`` (before it publishes), in a load (after a collective
   check) or after a collective of the next iteration (its reductions, a reshard's all_to_all). A
@@ -25,19 +25,21 @@ the training thread out:
   updates may already be queued behind reductions that wait for the requester.
 - **No per-iteration cost** beyond the count (and, on CUDA, one event): no store traffic, no message.
 
-Who talks to whom, per ``state_dict()`` call on rank r (``to=None`` or ``to=r``): r announces itself to
-every rank (their listener thread records it at once, server.py), then asks the ranks one at a time,
-in rank order, for their slices, which their server thread sends (a refusal first, if any); should it
-fail on the way, it withdraws the announcement where it did not ask yet. Several requesters at once
-(``state_dict()`` on every rank) never deadlock: each holds one server at a time and takes them in
-the same order. ``state_dict(to=r)`` on a rank other than r returns None once that rank has served
-r (so no rank leaves while r still needs it), or raises if r did not ask within ``channel.JOIN_DEADLINE_S``.
+Who talks to whom, per ``state_dict()`` call on rank r (``to=None`` or ``to=r``): r leaves an
+announcement in every rank's mailbox in the store (inbox.py; their listener records it at once,
+server.py), then asks the ranks one at a time, in rank order, for their slices (a mailbox message),
+which their server thread sends over the gloo channel (a refusal first, if any); should r fail on the
+way, it withdraws the announcement where it did not ask yet. Several requesters at once
+(``state_dict()`` on every rank) never deadlock: each holds one server at a time and takes them in the
+same order. ``state_dict(to=r)`` on a rank other than r returns None once that rank has served r (so
+no rank leaves while r still needs it), or raises if r did not ask within ``JOIN_DEADLINE_S``. A
+checkpoint costs the store O(world size) requests; an iteration costs it none.
 
-All deadlines are ``channel``'s (``JOIN_DEADLINE_S`` for a rank to get somewhere, ``channel.TRANSFER_DEADLINE_S``
+All deadlines are ``channel``'s (``JOIN_DEADLINE_S`` for a rank to get somewhere, ``TRANSFER_DEADLINE_S``
 for a message). Keep every rank alive until a rank-0-only ``state_dict()`` has returned (any collective
 does: the training step after it, a barrier before exiting): a rank that exits first leaves part of the
-state unreachable, and the call fails at once, saying so; one that exits while rank 0 is being served
-waits for that to finish (server.py).
+state unreachable, and the call fails, saying so; one that exits while rank 0 is being served waits for
+that to finish (server.py).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ import torch
 
 from . import channel
 from .canonical import layout_fingerprint, sharded_slices
-from .channel import ANNOUNCE_TAG, REQUEST_TAG, Channel, ChannelError, request_tag
-from .server import CANCELLED, ShardServer, server_for
+from .channel import Channel, ChannelError, request_tag
+from .server import ShardServer, server_for
 
 WINDOW = 8
 """Messages in flight per peer while slices are sent and received."""
@@ -116,8 +118,9 @@ class CheckpointPeers:
             return None
         k = next(self.server.requests)
         others = [r for r in range(e.world) if r != e.rank]
-        self._announce(to, k, others)
         try:
+            self._post(others, {"kind": "announce", "number": self.number, "version": self.version, "to": to,
+                                "k": k})
             builder = make_builder().local()
             while others:
                 self._fetch_from(others[0], k, builder)
@@ -126,30 +129,38 @@ class CheckpointPeers:
         finally:
             if others:  # failed on the way: the ranks not asked yet stop waiting for this request
                 try:
-                    self._announce(CANCELLED, k, others, deadline_s=5.0)
+                    self._post(others, {"kind": "cancel", "k": k})
                 except CheckpointSyncError:
                     pass
 
-    def _announce(self, to: int | None, k: int, ranks: list[int], deadline_s: float | None = None) -> None:
-        ch = self.server.channel
-        msg = torch.tensor([self.number, self.version, -1 if to is None else to, k], dtype=torch.int64)
-        works = [(ch.start_send(msg, r, ANNOUNCE_TAG), r) for r in ranks]
+    def _post(self, ranks: list[int], message: dict) -> None:
         try:
-            for work, r in works:
-                ch.wait(work, msg, r, "announcing optimizer.state_dict() to",
-                        channel.TRANSFER_DEADLINE_S if deadline_s is None else deadline_s)
-        except ChannelError as err:
-            raise CheckpointSyncError(f"{err}. Keep every rank alive until optimizer.state_dict() has returned "
-                                      "(e.g. a dist.barrier() before exiting): the other ranks hold their "
-                                      "shards of the state") from None
+            for r in ranks:
+                self.server.inbox.post(r, {**message, "src": self.engine.rank})
+        except Exception as err:  # the store is gone: so is whoever hosted it
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.engine.rank} cannot reach the other "
+                                      f"ranks through the process group's store ({type(err).__name__}: {err})"
+                                      ) from None
 
     def _fetch_from(self, src: int, k: int, builder) -> None:
         """Ask rank ``src`` for its slices and add them to ``builder``, ``WINDOW`` messages in flight."""
         ch, e = self.server.channel, self.engine
-        request = torch.tensor([self.number, self.version, 0, k, builder.fingerprint], dtype=torch.int64)
+        self._post([src], {"kind": "serve", "number": self.number, "version": self.version, "k": k,
+                           "fingerprint": builder.fingerprint})
+        # no gloo message before src has taken the request (and so serves it before it exits): a
+        # lazily connecting pair waits forever for a peer that exited in the middle of the handshake
+        server = self.server
+        with server.cond:
+            taken = server.wait(lambda: True if (src, k) in server.acks else None, channel.JOIN_DEADLINE_S)
+            server.acks.discard((src, k))
+        if taken is None:
+            raise CheckpointSyncError(
+                f"optimizer.state_dict() on rank {e.rank}: rank {src} did not take the request within "
+                f"{channel.JOIN_DEADLINE_S:.0f} s (its process is gone or stuck). Keep every rank alive until "
+                "optimizer.state_dict() has returned (any collective after it, e.g. a dist.barrier() before "
+                "exiting): the other ranks hold their shards of the state")
         deadline = channel.TRANSFER_DEADLINE_S
         try:
-            ch.send(request, src, REQUEST_TAG, deadline)
             why = ch.recv_text(src, request_tag(k, 0), deadline)
             if why:
                 raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.rank}: {why}")
@@ -163,7 +174,10 @@ class CheckpointPeers:
                         ch.wait(work, buf, src, "receiving optimizer state from", deadline)
                         builder.add(shard, name, src * shard.layout.shard, buf)
         except ChannelError as err:
-            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}") from None
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}. Keep every rank alive until "
+                                      "optimizer.state_dict() has returned (any collective after it, e.g. a "
+                                      "dist.barrier() before exiting): the other ranks hold their shards of the "
+                                      "state") from None
 
     def _await_served(self, to: int) -> None:
         """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version (up to

@@ -4,15 +4,12 @@ GPU per rank where CUDA is available, else gloo), with timeouts that turn a hang
 Used by ``fused-zero demo``, the test suite and the benchmarks. ``run_ranks(fn, world, *args)`` returns
 every rank's ``fn(rank, world, *args)``; a failure on any rank raises ``RanksFailed`` with that rank's
 traceback, and the other ranks (which may now wait in a collective forever) are killed.
-``count_store=True`` puts the process group's c10d store behind a counter (``store_requests()``), to
-measure what a protocol costs the store, which is one server for every rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-import threading
 import time
 import traceback
 
@@ -25,60 +22,6 @@ class RanksFailed(RuntimeError):
     """A rank raised, or the ranks did not finish in time."""
 
 
-class CountingStore(dist.Store):
-    """A c10d store that counts the requests this rank sends to the store server (every call that
-    reaches the server: gloo's rendezvous, process-group creation, a protocol's own keys)."""
-
-    def __init__(self, inner: dist.Store):
-        super().__init__()
-        self.inner, self.requests, self._lock = inner, 0, threading.Lock()
-
-    def _count(self, method, *args):
-        with self._lock:
-            self.requests += 1
-        return getattr(self.inner, method)(*args)
-
-    def set(self, key, value):
-        return self._count("set", key, value)
-
-    def get(self, key):
-        return self._count("get", key)
-
-    def add(self, key, value):
-        return self._count("add", key, value)
-
-    def compare_set(self, key, expected, desired):
-        return self._count("compare_set", key, expected, desired)
-
-    def check(self, keys):
-        return self._count("check", keys)
-
-    def wait(self, keys, timeout=None):
-        return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
-
-    def multi_get(self, keys):
-        return self._count("multi_get", keys)
-
-    def multi_set(self, keys, values):
-        return self._count("multi_set", keys, values)
-
-    def num_keys(self):
-        return self._count("num_keys")
-
-    def set_timeout(self, timeout):
-        return self.inner.set_timeout(timeout)
-
-
-_counting: CountingStore | None = None
-
-
-def store_requests() -> int:
-    """Requests this rank has sent to the store so far (a rank started with ``count_store=True``)."""
-    if _counting is None:
-        raise RuntimeError("store_requests() needs ranks started with run_ranks(..., count_store=True)")
-    return _counting.requests
-
-
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -89,20 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, backend, collective_timeout, count_store, fn, args, results):
-    global _counting
+def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(1)  # the ranks share the machine's cores: more threads only contend
-        timeout = datetime.timedelta(seconds=collective_timeout)
-        if count_store:
-            _counting = CountingStore(dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout))
-            dist.init_process_group(backend, store=_counting, rank=rank, world_size=world, timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                    timeout=timeout)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
         try:
             out = fn(rank, world, *args)
             results.put((rank, "ok", out))
@@ -117,7 +54,7 @@ def _entry(rank, world, port, backend, collective_timeout, count_store, fn, args
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None = None,
-              collective_timeout: float = 120.0, count_store: bool = False) -> list:
+              collective_timeout: float = 120.0) -> list:
     """Every rank's return value, in rank order. ``fn`` must be importable (a module-level function)."""
     backend = backend or default_backend()
     if backend == "nccl" and world > torch.cuda.device_count():
@@ -125,8 +62,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, collective_timeout, count_store, fn, args,
-                                              results), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, collective_timeout, fn, args, results),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     outs, errors = {}, []
