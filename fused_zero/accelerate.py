@@ -7,26 +7,36 @@
 Accelerate builds the DDP module inside ``prepare`` (as it builds DeepSpeed's engine or FSDP there), so
 the attachment comes right after it. Then the usual loop works: ``accelerator.backward``,
 ``accelerator.accumulate`` (DDP's ``no_sync``; the wrapped optimizer skips non-sync steps),
-``accelerator.save_state`` / ``load_state`` (``state_dict()`` is called on every rank, as fused_zero
-needs), ``accelerate launch``. ``accelerator.clip_grad_norm_`` of the model's parameters becomes this
-step's ``max_grad_norm`` (``overlap="step"`` only; it returns None, as Accelerate does under DeepSpeed:
-the norm is computed inside ``step()``; no ``scaler.unscale_`` either: the optimizer clips the unscaled
-gradients). Refused with a message: ``clip_grad_value_`` and clipping in the other overlap modes.
+``accelerator.save_state`` / ``load_state``, ``accelerate launch``.
+
+Clipping, which Accelerate does to ``param.grad`` between the backward and ``step()``, is never lost:
+
+- with ``overlap="step", grad_reduce="all_reduce"`` ``step()`` reads ``param.grad``, so Accelerate's own
+  ``clip_grad_norm_`` / ``clip_grad_value_`` (and its ``unscale_gradients``) run unchanged, exactly as
+  with torch.optim;
+- in the other modes ``accelerator.clip_grad_norm_`` of the model's parameters is routed to the optimizer
+  (``ClipRoute``): the clip happens inside the update, and the call returns a tensor that holds the
+  true pre-clip norm once ``step()`` has run. Norm queries (``max_norm=inf``) are answered the same way;
+  a second clip in one step, ``clip_grad_value_``, clipping with ``overlap="bucket"``, and in
+  ``overlap="backward"`` a ``max_norm`` other than the optimizer's ``max_grad_norm``, are refused.
 
 ``mixed_precision="fp16"``: Accelerate's GradScaler (the one its optimizer wrapper steps through) is
 handed to the optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or
 ``"backward"``; ``overlap="bucket"`` is refused there. The wrapper then steps as it does for torch's
 fused optimizers (``scaler.step(optimizer)``, ``scaler.update()``), and its ``step_was_skipped`` (which
 Accelerate's scheduler wrapper reads so as not to advance on an overflow) reports the optimizer's own
-found-inf flag. ``accelerator.unscale_gradients()`` (``scaler.unscale_`` of every optimizer, which
-Accelerate's own ``clip_grad_norm_`` also calls) leaves this optimizer out: its update unscales the
-reduced gradients itself; naming it explicitly is refused.
+found-inf flag. Where clipping is routed, ``accelerator.unscale_gradients()`` (``scaler.unscale_`` of
+every optimizer, which Accelerate's own ``clip_grad_norm_`` also calls) leaves this optimizer out: its
+update unscales the reduced gradients itself; naming it explicitly is refused.
 
 Needs the ``accelerate`` extra: ``pip install "fused-zero[accelerate]"``.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from .optimizer import _ShardedOptimizer
@@ -51,12 +61,28 @@ def attach(accelerator, model, optimizer, **options) -> None:
     if scaler is not None:
         options = {**options, "grad_scaler": scaler}
     opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
-    _route_clipping(accelerator, opt)
-    if scaler is not None:
-        _keep_unscaling_out(accelerator, opt)
-        if isinstance(optimizer, AcceleratedOptimizer):
-            _report_skipped_steps(optimizer, opt)
+    if not opt._reads_grad_at_step:  # else Accelerate's own clipping and unscaling edit what step() reads
+        _route_clipping(accelerator, opt)
+        if scaler is not None:
+            _keep_unscaling_out(accelerator, opt)
+    if scaler is not None and isinstance(optimizer, AcceleratedOptimizer):
+        _report_skipped_steps(optimizer, opt)
     _unshare_saved_weights(accelerator, model)
+    _wait_after_saving(accelerator)
+
+
+def _wait_after_saving(accelerator) -> None:
+    """``save_state`` runs on every rank, and each rank's ``optimizer.state_dict()`` is served by the
+    others (checkpoint/serving.py): no rank may leave, and perhaps exit, while another still needs its
+    shards. So ``save_state`` ends with ``wait_for_everyone()``."""
+    save = accelerator.save_state
+
+    def save_state(*args, **kwargs):
+        out = save(*args, **kwargs)
+        accelerator.wait_for_everyone()
+        return out
+
+    accelerator.save_state = save_state
 
 
 def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
@@ -137,45 +163,92 @@ def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimi
 
 
 def _route_clipping(accelerator, opt: _ShardedOptimizer) -> None:
-    """Accelerate clips ``param.grad`` between the backward and ``step()``, which fused_zero never reads
-    there; so a clip of the optimizer's parameters sets the norm its next ``step()`` clips to."""
-    engine = opt._engine
-    ours = {id(p) for p in engine.params}
-    base = engine.max_grad_norm
+    """Accelerate clips ``param.grad`` between the backward and ``step()``, which this optimizer's update
+    does not read (its mode reads its own reduced slices, or ran in the backward): so a clip of the
+    optimizer's parameters becomes its next ``step()``'s ``max_grad_norm`` (see ``ClipRoute``)."""
+    ours = {id(p) for p in opt._engine.params}
+    route = ClipRoute(opt)
     clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
         params = list(parameters)
         if not any(id(p) in ours for p in params):
             return clip_norm(params, max_norm, norm_type)
-        if engine.overlap != "step":
-            raise RuntimeError(f"accelerator.clip_grad_norm_ with fused_zero needs overlap='step' (got "
-                               f"overlap={engine.overlap!r}): the global gradient norm is known only once every "
-                               "bucket is reduced, and the other modes update the parameters during the backward")
-        if float(norm_type) != 2.0:
-            raise ValueError(f"fused_zero clips by the 2-norm; got norm_type={norm_type}")
         if not ours <= {id(p) for p in params}:
             raise ValueError("fused_zero clips all of the optimizer's parameters together; pass them all "
                              "(model.parameters())")
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        engine.max_grad_norm = float(max_norm)
-        return None
+        return route(max_norm, norm_type)
 
     def clip_grad_value_(parameters, clip_value_):
         params = list(parameters)
         if any(id(p) in ours for p in params):
             raise RuntimeError("clip_grad_value_ is not supported with fused_zero: it sees the reduced gradients "
                                "only inside its update; clip by norm (accelerator.clip_grad_norm_, "
-                               "overlap='step')")
+                               "overlap='step'), or build the optimizer with overlap='step', "
+                               "grad_reduce='all_reduce', whose step() reads param.grad")
         return clip_value(params, clip_value_)
-
-    def reset(*_):  # a clip applies to the step it precedes, as torch's clip_grad_norm_ does
-        engine.max_grad_norm = base
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
     accelerator.clip_grad_value_ = clip_grad_value_
-    opt.register_step_post_hook(reset)
+    opt.register_step_post_hook(route.step_ended)
+
+
+class ClipRoute:
+    """``clip_grad_norm_`` of all of a fused_zero optimizer's parameters, in a mode whose update does not
+    read ``param.grad``: applied inside the update, exactly as torch applies it, or refused.
+
+    Per step: any number of norm queries (``max_norm=inf``, which torch answers without changing the
+    gradients) and at most one clip. A clip in ``overlap="step"`` sets that step's ``max_grad_norm``;
+    in ``overlap="backward"`` the update ran in the backward, so only the optimizer's own
+    ``max_grad_norm`` can be asked for. Every call returns the same 0-dim tensor, which holds the true
+    pre-clip norm of the reduced gradients (what torch returns) once ``step()`` has run (NaN until
+    then: the norm is computed inside the update); frameworks that log it (the Trainer, Accelerate
+    loops) read it after the step. A call after the clip is refused: torch would return the norm of
+    the clipped gradients, or clip twice, and neither exists before the single update.
+    """
+
+    def __init__(self, opt: _ShardedOptimizer):
+        self.engine = opt._engine
+        self.base = self.engine.max_grad_norm  # the optimizer's own, restored after each step
+        self.norm: torch.Tensor | None = None  # what this step's calls return
+        self.clipped: float | None = None  # this step's clip
+
+    def __call__(self, max_norm, norm_type=2) -> torch.Tensor:
+        e = self.engine
+        if e.overlap == "bucket":
+            raise RuntimeError("clip_grad_norm_ of a fused_zero optimizer's parameters needs overlap='step' or "
+                               "'backward' (got overlap='bucket'): the global gradient norm is known only once "
+                               "every bucket is reduced, and this mode updates each bucket before the next")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"fused_zero clips by the 2-norm; got norm_type={norm_type}")
+        max_norm = float(max_norm)
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        if self.clipped is not None:
+            raise RuntimeError(
+                f"clip_grad_norm_(max_norm={max_norm}) after this step's clip to {self.clipped}: fused_zero "
+                "clips once, inside optimizer.step(), so it cannot clip again nor give the norm of the clipped "
+                "gradients (what torch returns now). The first call's result holds the pre-clip norm once "
+                "step() has run: read that one")
+        if max_norm != math.inf:
+            if e.overlap == "backward" and max_norm != self.base:
+                raise RuntimeError(
+                    f"clip_grad_norm_(max_norm={max_norm}) with overlap='backward': the update ran inside the "
+                    f"backward, clipped to the optimizer's max_grad_norm={self.base}; build the optimizer with "
+                    f"max_grad_norm={max_norm} (or use overlap='step')")
+            e.max_grad_norm = self.clipped = max_norm
+        if self.norm is None:
+            self.norm = torch.full((), math.nan, dtype=torch.float32, device=e.device)
+        return self.norm
+
+    def step_ended(self, *_) -> None:
+        """Step post-hook: the returned norm gets its value; the next step clips as configured."""
+        e = self.engine
+        if self.norm is not None and e.grad_sumsq is not None:
+            if e.device.type == "cuda":  # read on this stream; written on the side stream, which step() joined
+                e.grad_sumsq.record_stream(torch.cuda.current_stream(e.device))
+            self.norm.copy_(e.grad_sumsq.sqrt())
+        e.max_grad_norm, self.norm, self.clipped = self.base, None, None
 
 
 def _unshare_saved_weights(accelerator, ddp) -> None:

@@ -20,8 +20,6 @@ options shared by all:
                     module's forward waits only for the buckets it can read, see pipeline/hooks.py; read
                     parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
-    checkpoint_handshake  True (default: rank 0 may call state_dict() alone, as nanoGPT does; a store
-                    handshake per iteration, see checkpoint/rank0.py) or False (call it on every rank)
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from types import MappingProxyType
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import canonical, sharded
+from .checkpoint import canonical, loading, serving, sharded
 from .options import ShardingOptions
 from .pipeline.engine import Engine
 from .update.algorithms import AdamFamily, SGDAlgorithm
@@ -88,8 +86,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     frameworks that wrap optimizers can be set up) but no state and no comm hook. ``attach(ddp)`` lays
     out the state and registers the hook. Until then ``step()`` raises, and so does a backward that
     produces gradients for its parameters (plain DDP would all-reduce them and no update could ever
-    use them); ``state_dict()`` returns torch.optim's dict of a fresh optimizer (empty state: nothing
-    can have stepped), which frameworks round-trip when they wrap the optimizer.
+    use them); ``load_state_dict()`` checks what it can and keeps the state until ``attach`` lays it
+    out (checkpoint/loading.py), and ``state_dict()`` returns what was loaded, or torch.optim's dict of
+    a fresh optimizer (frameworks round-trip it when they wrap the optimizer).
     """
 
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
@@ -106,6 +105,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         self._algorithm = algorithm
         self._options = dict(options)
         self._engine: Engine | None = None
+        self._kept: dict | None = None  # a state loaded before attach (checkpoint/loading.py)
         self.state = MappingProxyType({})  # no state until attached
         if ddp is None:
             self._unattached_hooks = _guard_unattached(self)
@@ -118,7 +118,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
         ``options`` are sharding options (see the module docstring) added to those given at
         construction; giving one both times with different values is an error. Attach once, to the
-        DDP module that wraps exactly the optimizer's trainable parameters.
+        DDP module that wraps exactly the optimizer's trainable parameters; on every rank (a state
+        loaded before attach is laid out here, once every rank agrees that it fits).
         """
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
@@ -131,8 +132,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         merged = {**self._options, **options}
         _check_options(merged)
         self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
+        kept = loading.check_at_attach(self, ddp, merged, self._kept)  # refuses on every rank, changing nothing
         self._engine = Engine(self, ddp, self._algorithm, **merged)
-        self._checkpoint_sync = canonical.install_rank0(self._engine, self._engine.options.checkpoint_handshake)
+        if kept is not None:
+            loading.apply_at_attach(self._engine, kept)
+        self._kept = None
+        self._peers = serving.peers_for(self._engine)
         self._options = merged
         self.state = _ShardedState(self._engine)
         for handle in getattr(self, "_unattached_hooks", ()):
@@ -143,6 +148,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def attached(self) -> bool:
         """Whether ``attach(ddp)`` (or ``ddp=`` at construction) has run."""
         return self._engine is not None
+
+    @property
+    def _reads_grad_at_step(self) -> bool:
+        """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
+        grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
+        unscaling) are honored as torch.optim honors them (pipeline/step_policy.py)."""
+        e = self._attached_engine("_reads_grad_at_step")
+        return e.overlap == "step" and e.grad_reduce == "all_reduce"
 
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -167,9 +180,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if engine.iteration.invoked == 0 and canonical.is_state_init_step(engine):
             canonical.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
-        # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is None
-        # once the user has called scaler.unscale_(opt)
-        engine.step(via_scaler=hasattr(self, "found_inf"), grad_scale=getattr(self, "grad_scale", None))
+        iteration = engine.iteration
+        try:
+            # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
+            # None once the user has called scaler.unscale_(opt)
+            engine.step(via_scaler=hasattr(self, "found_inf"), grad_scale=getattr(self, "grad_scale", None))
+        finally:
+            if engine.iteration is not iteration:  # the step ended (a refusal may raise after it did)
+                self._peers.published()
         return loss
 
     @property
@@ -205,26 +223,26 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self, to: int | None = None) -> dict | None:
         """torch.optim's canonical state dict (per-parameter ``step``, ``exp_avg``, ... and, for bf16/fp16
-        parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is. A collective: call it
-        on every rank, or on rank 0 alone as nanoGPT does (the other ranks join the gathers from
-        their next backward, see checkpoint/rank0.py). ``to=None``: every calling rank gets the whole
-        dict; ``to=r``: only rank r does (the others get None), gathered bucket by bucket.
-        Unattached: torch.optim's dict of a fresh optimizer (no state; no collective)."""
+        parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is, as it is after the
+        last step. Call it between steps on any rank or ranks, e.g. on rank 0 alone as nanoGPT and the
+        Trainer do: the other ranks serve their shards from a thread, whatever they do meanwhile (see
+        checkpoint/serving.py). ``to=None``: the calling rank gets the whole dict; ``to=r``: rank r
+        does, and the other ranks calling it get None once rank r has asked.
+        Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication)."""
         if self._engine is None:
-            return super().state_dict()
-        return canonical.state_dict(self._engine, self._checkpoint_sync, to)
+            return loading.kept_state_dict(self, self._kept)
+        return canonical.state_dict(self._engine, self._peers, to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
         checking all of it: a refused dict raises and changes nothing. Load the model's weights first.
-        Call on every rank. Unattached: only a dict without per-parameter state (param_groups only) loads."""
+        Call on every rank. Unattached: checked as far as it can be without the buckets, the param
+        groups loaded, and the state kept until ``attach`` lays it out (checkpoint/loading.py)."""
         if self._engine is None:
-            if state_dict.get("state"):
-                raise RuntimeError(_not_attached(self, "load_state_dict() of a dict with optimizer state"))
-            super().load_state_dict(state_dict)
-            self.state = MappingProxyType({})
+            self._kept = loading.keep_until_attach(self, state_dict)
             return
-        canonical.load_state_dict(self._engine, state_dict)
+        loading.load_state_dict(self._engine, state_dict)
+        self._peers.published()
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,
@@ -237,6 +255,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
         all of it on every rank: a refused dict raises and changes nothing."""
         sharded.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
+        self._peers.published()
 
 
 class AdamW(_ShardedOptimizer):

@@ -40,8 +40,6 @@ class ShardingOptions:
         param_sync: "step" (``step()`` returns with every parameter updated) or "forward" (each
             module's forward pre-hook waits for the buckets it reads).
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
-        checkpoint_handshake: let rank 0 call ``state_dict()`` alone (a per-iteration handshake through
-            the process group's store, see checkpoint/rank0.py); False: call it on every rank.
         state_format: how the moments (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) are kept:
             "fp32" (default), "bf16", or "int8" (8 bits with one fp32 scale per block of up to 2048
             elements; kernels/formats.py). One format for every param group.
@@ -59,7 +57,6 @@ class ShardingOptions:
     backend: str = "auto"
     grad_scaler: object = None
     on_nonfinite: str = "skip"
-    checkpoint_handshake: bool = True
     state_format: str = "fp32"
     stochastic_rounding: bool = False
     seed: int = 0
@@ -81,8 +78,6 @@ class ShardingOptions:
                              "combined with master_weights=True")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if not isinstance(self.checkpoint_handshake, bool):
-            raise ValueError(f"checkpoint_handshake must be True or False, got {self.checkpoint_handshake!r}")
         if self.max_grad_norm is not None:
             if self.overlap == "bucket":
                 raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "

@@ -1,6 +1,6 @@
-"""Optimizer state in torch.optim's canonical per-parameter form, gathered from and scattered to the
-ranks' regions: a ``state_dict()`` of ours loads into ``torch.optim.AdamW`` (or Adam, SGD), and
-theirs into ours, at any world size and bucket layout.
+"""Optimizer state in torch.optim's canonical per-parameter form, built from the ranks' regions: a
+``state_dict()`` of ours loads into ``torch.optim.AdamW`` (or Adam, SGD), and theirs into ours
+(loading.py), at any world size and bucket layout.
 
 Moments stored compact (bf16, 8 bits) are decoded to fp32 here, so the dict is torch.optim's; the
 format is recorded under the top-level key ``"fused_zero"`` (torch.optim ignores it), and a load encodes
@@ -12,41 +12,22 @@ bf16/fp16 parameters carry one more entry, ``"fp32_master"`` (checks.MASTER_KEY)
 weights, without which a resumed run restarts from rounded weights and drifts. torch.optim's
 ``load_state_dict`` keeps unknown keys as they are (cast to the parameter's dtype like the rest) and its
 ``step()`` never reads them; a dict without them (torch.optim's) starts the masters from the parameters.
-Since torch.optim never updates that entry, a master that no longer rounds to its parameter is stale and
-refused.
 
-The layout module says where each element lives; this module only walks its pieces.
+The dict is assembled on the calling rank, one slice at a time (``StateDictBuilder``): its own slices and
+the replicated tail from its regions, every other rank's slices as that rank's server sends them
+(serving.py). The layout module says where each element lives; this module only walks its pieces.
 """
 
 from __future__ import annotations
 
+import bisect
+import zlib
+
 import torch
 
-from ..pipeline import collectives
-from ..pipeline.layout import REPLICATED, BucketLayout
-from ..pipeline.strides import memory_order, strided_view
-from . import checks
-from .checks import MASTER_KEY, StateDictError
-from .rank0 import CheckpointHandshake
-
-
-def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | None) -> None:
-    """Write the whole bucket's values of one state tensor into ``out`` (bucket order; None on ranks
-    other than ``to``). A collective."""
-    layout: BucketLayout = shard.layout
-    region = shard.values(name)  # decoded to fp32 where the moments are stored compact
-    mine, tail = slice(*layout.region_slice(engine.rank)), slice(*layout.region_tail(engine.rank))
-    if layout.shard:
-        if engine.world == 1:
-            out[:layout.head].copy_(region[mine])
-        elif to is None:
-            collectives.all_gather(out[:layout.head], region[mine].contiguous(), engine.group, async_op=False)
-        else:
-            chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(engine.world)] if (
-                engine.rank == to) else None
-            collectives.gather(region[mine].contiguous(), chunks, to, engine.group)
-    if out is not None:
-        out[layout.head:].copy_(region[tail])
+from ..pipeline.layout import REPLICATED
+from ..pipeline.strides import strided_view
+from .checks import MASTER_KEY
 
 
 def has_state(engine, pid: int) -> bool:
@@ -72,138 +53,98 @@ def packed_groups(opt, index: dict[int, int]) -> list[dict]:
             for g in opt.param_groups]
 
 
-def install_rank0(engine, enabled: bool) -> CheckpointHandshake:
-    """The rank-0-only ``state_dict()`` handshake (rank0.py), hooked into the engine's iteration: it posts
-    from the training forward and serves lone state dicts before an iteration's first collective."""
-    handshake = CheckpointHandshake(engine, enabled)
-    engine.forward_start.append(handshake.at_forward)
-    engine.iteration_start.append(
-        lambda: handshake.at_iteration_start(lambda plan: gather_state_dict(engine, plan)))
-    return handshake
-
-
-def state_dict(engine, handshake: CheckpointHandshake, to: int | None = None) -> dict | None:
-    """The canonical dict on CPU. Called on every rank, or on rank 0 alone (the others then join the
-    gathers from their next backward; see rank0.py). ``to=None``: every calling rank gets it;
-    ``to=r``: rank r only (others get None), gathered one bucket and one state tensor at a time, so that
-    the extra device memory is one bucket's worth."""
+def state_dict(engine, peers, to: int | None = None) -> dict | None:
+    """The canonical dict on CPU, on any calling rank (``to=None``) or on rank ``to`` only (the others
+    get None); the other ranks serve their slices whatever they do meanwhile (serving.py)."""
     if to is not None and not (isinstance(to, int) and 0 <= to < engine.world):
         raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.world - 1})")
-    return handshake.state_dict(to, lambda plan: gather_state_dict(engine, plan))
+    return peers.state_dict(to, lambda: StateDictBuilder(engine))
 
 
-def gather_state_dict(engine, to: int | None) -> dict | None:
-    """The gathers behind ``state_dict()``; every rank runs them with the same ``to``."""
-    engine.synchronize()
-    opt = engine.opt
-    index = param_index(opt)
-    receives = to is None or engine.rank == to
-    state: dict[int, dict] = {}
-    for shard in engine.shards():
-        stepped = [(local, pid) for local, pid in enumerate(shard.layout.pids) if has_state(engine, pid)]
-        for name in shard.state:
-            out = torch.empty(shard.layout.numel, dtype=torch.float32, device=engine.device) if receives else None
-            _full_into(engine, shard, name, out, to)
-            if not receives or not stepped:
-                continue
-            key = MASTER_KEY if name == "master" else name
-            for local, pid in stepped:
-                p = engine.params[pid]
-                off, n = shard.layout.offsets[local], shard.layout.numels[local]
-                state.setdefault(index[id(p)], {})[key] = strided_view(out[off:off + n], p).cpu().clone()
-        if receives:
-            for _, pid in stepped:
-                entry = state.setdefault(index[id(engine.params[pid])], {})
-                if engine.algo.kind == "adam":
-                    entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
-    if not receives:
-        return None
-    # torch.optim's order: step first, then the state tensors
-    state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(state.items())}
-    out = {"state": state, "param_groups": packed_groups(opt, index)}
-    if engine.options.state_format != "fp32":  # torch.optim ignores the key; the moments above are decoded
-        out["fused_zero"] = {"state_format": engine.options.state_format}
-    return out
+def sharded_slices(engine) -> list:
+    """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
+    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in shard.state]
 
 
-def load_state_dict(engine, sd) -> None:
-    """Load a canonical state dict (ours or torch.optim's) after checking all of it on every rank; a
-    refused dict changes nothing. Load the model's weights first: master weights are checked against
-    (or, without them in the dict, start from) the parameters."""
-    error = None
-    try:
-        plan = _check(engine, sd)
-    except StateDictError as e:
-        error, plan = str(e), None
-    except Exception as e:  # a corrupt dict: whatever it trips over, it must not load
-        error, plan = f"the state dict is malformed ({type(e).__name__}: {e})", None
-    checks.agree(engine, error)
-    _apply(engine, *plan)
+def layout_fingerprint(engine) -> int:
+    """What requester and server must agree on for a slice to mean the same elements on both."""
+    layouts = [(s.layout.numel, s.layout.head, s.layout.shard, tuple(s.layout.pids), tuple(s.layout.offsets),
+                tuple(s.state)) for s in engine.shards()]
+    return zlib.crc32(repr(layouts).encode())
 
 
-def _check(engine, sd):
-    """Everything a load needs, validated: the merged param groups and each parameter's saved entry."""
-    kind = engine.algo.kind
-    checks.check_structure(sd, kind)
-    opt = engine.opt
-    groups = checks.merged_groups(opt, sd["param_groups"])
-    checks.check_algorithm(engine, groups)
-    saved_index = {}
-    for g, s in zip(opt.param_groups, sd["param_groups"]):
-        for p, i in zip(g["params"], s["params"]):
-            saved_index[id(p)] = i
-    required = engine.algo.state_names() + (["step"] if kind == "adam" else [])
-    engine.synchronize()  # the masters are compared with the parameters
-    entries = {}
-    for pid, p in enumerate(engine.params):
-        key = saved_index[id(p)]
-        entry = sd["state"].get(key, {})
-        where = f"parameter {key} (shape {tuple(p.shape)})"
-        checks.check_entry(engine, pid, where, entry, p.shape, required)
-        master = entry.get(MASTER_KEY)
-        if master is not None and "master" in engine.registry.where[pid][0].state:
-            if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
-                raise StateDictError(
-                    f"{where}: its {MASTER_KEY!r} does not round to the parameter. Load the model's weights "
-                    f"before the optimizer's state; if the dict was saved by another optimizer (which does "
-                    f"not update {MASTER_KEY!r}), delete those entries to start the masters from the weights")
-        entries[pid] = entry
-    return groups, entries
+class StateDictBuilder:
+    """torch.optim's dict for the parameters that have state, filled in one slice at a time.
 
+    Each stepped parameter's entry is allocated once, at its final size (fp32, on CPU); a slice of a
+    bucket's state region, wherever it comes from, is copied straight into the entries it overlaps. So
+    building the dict costs the dict itself plus one slice in flight, at any world size.
 
-def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
-    opt = engine.opt
-    for g, merged in zip(opt.param_groups, groups):
-        g.update({k: v for k, v in merged.items() if k != "params"})
-    engine.algo.refresh(opt.param_groups)
-    engine.synchronize()
-    for shard in engine.shards():
-        shard.init_master_from_params()
-        filled = {name: shard.state["master"] if name == "master" else
-                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
-                  for name in shard.state}
-        for piece in shard.layout.pieces(engine.rank):
-            pid = shard.layout.pids[piece.local]
-            saved = entries[pid]
-            for name, region in filled.items():
-                value = saved.get(MASTER_KEY if name == "master" else name)
-                if value is None:
-                    continue
-                flat = memory_order(value.detach(), engine.params[pid])
-                region[piece.region_off:piece.region_off + piece.length].copy_(
-                    flat[piece.elem:piece.elem + piece.length])
-        for name, region in filled.items():
-            if name != "master":  # encoded in the moments' format, block by block as an update would
-                shard.store_values(name, region)
-    for pid, saved in entries.items():
-        engine.steps[pid] = saved_step(engine, saved)
+    Attributes:
+        slices: the (shard, name) pairs other ranks send, in order (``sharded_slices``).
+        fingerprint: the layout's (``layout_fingerprint``).
+    """
 
+    def __init__(self, engine):
+        engine.synchronize()
+        self.engine = engine
+        self.slices = sharded_slices(engine)
+        self.fingerprint = layout_fingerprint(engine)
+        self._index = param_index(engine.opt)
+        self.state: dict[int, dict] = {}
+        self._targets: dict[int, tuple] = {}  # id(shard) -> (offsets, numels, per parameter {name: flat entry})
+        for shard in engine.shards():
+            layout = shard.layout
+            order = sorted(range(len(layout.pids)), key=layout.offsets.__getitem__)
+            rows = [self._entry(layout.pids[local], shard) for local in order]
+            self._targets[id(shard)] = ([layout.offsets[i] for i in order], [layout.numels[i] for i in order], rows)
 
-def saved_step(engine, saved: dict) -> float:
-    if engine.algo.kind == "sgd" and "step" not in saved:
-        return 1.0 if saved.get("momentum_buffer") is not None else 0.0
-    step = saved.get("step", 0.0)
-    return float(step.item() if isinstance(step, torch.Tensor) else step)
+    def _entry(self, pid: int, shard) -> dict | None:
+        e = self.engine
+        if not has_state(e, pid):
+            return None
+        p = e.params[pid]
+        entry = self.state.setdefault(self._index[id(p)], {})
+        if e.algo.kind == "adam":
+            entry["step"] = torch.tensor(float(e.steps[pid]), dtype=torch.float32)
+        flats = {}
+        for name in shard.state:  # bucket order is the parameter's memory order (strides.py)
+            flats[name] = torch.empty(p.numel(), dtype=torch.float32)
+            entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
+        return flats
+
+    def add(self, shard, name: str, lo: int, values: torch.Tensor) -> None:
+        """Bucket elements ``[lo, lo + len(values))`` of state ``name`` (CPU values)."""
+        offsets, numels, rows = self._targets[id(shard)]
+        hi = lo + values.numel()
+        j = max(bisect.bisect_right(offsets, lo) - 1, 0)
+        while j < len(offsets) and offsets[j] < hi:
+            off, n, flats = offsets[j], numels[j], rows[j]
+            a, b = max(lo, off), min(hi, off + n)
+            if flats is not None and a < b:
+                flats[name][a - off:b - off].copy_(values[a - lo:b - lo])
+            j += 1
+
+    def local(self) -> StateDictBuilder:
+        """This rank's own slices and the replicated tails (every rank holds them)."""
+        rank = self.engine.rank
+        for shard in self.engine.shards():
+            layout = shard.layout
+            mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
+            for name in shard.state:
+                region = shard.values(name)  # decoded to fp32 where the moments are stored compact
+                if layout.shard:
+                    self.add(shard, name, rank * layout.shard, region[mine].cpu())
+                self.add(shard, name, layout.head, region[tail].cpu())
+        return self
+
+    def result(self) -> dict:
+        # torch.optim's order: parameters by index, step first, then the state tensors
+        state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(self.state.items())}
+        out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
+        if self.engine.options.state_format != "fp32":  # torch.optim ignores the key; the moments are decoded
+            out["fused_zero"] = {"state_format": self.engine.options.state_format}
+        return out
 
 
 def is_state_init_step(engine) -> bool:
@@ -225,8 +166,7 @@ def run_state_init_step(engine) -> None:
 
 def local_entry(engine, pid: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
-    ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened (in the
-    parameter's memory order, pipeline/strides.py), holding only
+    ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
     shard, local = engine.registry.where[pid]
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, engine.rank)

@@ -15,7 +15,6 @@ hooks (hooks.py). The options and their checks are the public ones (fused_zero/o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,9 +79,9 @@ class Engine:
         skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
-        iteration_start: callables run at each synced iteration's first bucket, before any of its
-            collectives (the rank-0 checkpoint's handshake, checkpoint/rank0.py).
-        forward_start: callables run with the DDP's module at the start of each of its forwards.
+        grad_sumsq: the global sum of squares of the last update's reduced, unscaled gradients (a device
+            scalar; in overlap modes "step" and "backward", where one update covers every bucket: the
+            pre-clip norm squared, which the integrations' clip_grad_norm_ returns), or None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp, algorithm: Algorithm, **options):
@@ -117,8 +116,7 @@ class Engine:
         self.reduction = Reduction(self, ddp)
         self.updates = Updates(self)
         self.policy = StepPolicy(self)
-        self.iteration_start: list[Callable[[], None]] = []
-        self.forward_start: list[Callable[[torch.nn.Module], None]] = []
+        self.grad_sumsq: torch.Tensor | None = None
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             upload=self.side.upload if self.backend == "triton" else None, device=self.device, group=self.group,
@@ -128,7 +126,7 @@ class Engine:
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
-            self._compile_kernels()
+            compile_kernels(self)
         self._handles = []
         self._install()
 
@@ -168,34 +166,6 @@ class Engine:
 
     def shards(self) -> list[BucketShard]:
         return self.registry.shards()
-
-    def _compile_kernels(self) -> None:
-        """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
-        Triton compiles now and not inside the first backward (tens of ms per variant). On the side
-        stream, under the parameters' device guard, like every launch. Per dtype, before any shard
-        exists: construction compiles before it changes anything."""
-        with self.side.run(follow_current=True):
-            for dtype in {p.dtype for p in self.params}:
-                self._compile_for(dtype)
-
-    def _compile_for(self, dtype: torch.dtype) -> None:
-        one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=self.device)  # noqa: E731
-        moments = DTYPES[self.options.state_format]
-        state = {name: one(moments) for name in self.algo.state_names()}
-        if self.options.keeps_master(dtype):
-            state["master"] = one()
-        scales = {name: one() for name in self.algo.state_names()} if moments == torch.uint8 else None
-        coefs = self.algo.coefficients(self._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
-                                       np.zeros(1, dtype=bool), 1.0)
-        coefs = self.side.upload(coefs)
-        rows = [(0, 1, 0, 0, 0)]
-        segments = Segments.build(rows, upload=self.side.upload)
-        clip = one() if self.max_grad_norm is not None else None
-        scale = one() if self.scaler is not None else None
-        self.algo.update("triton", rows, segments, coefs, UpdateArgs(
-            one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip, scales=scales,
-            stochastic=self.options.stochastic_rounding))
-        self.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype), scale)
 
     # ------------------------------------------------------------------ the comm hook
 
@@ -245,8 +215,6 @@ class Engine:
 
     def _start_iteration(self, it: _Iteration) -> None:
         """The first bucket of a synced backward, before any of its collectives."""
-        for start in self.iteration_start:
-            start()
         self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
         it.hparams = self._read_hparams()
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
@@ -322,3 +290,33 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def compile_kernels(e: Engine) -> None:
+    """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
+    Triton compiles now and not inside the first backward (tens of ms per variant). On the side
+    stream, under the parameters' device guard, like every launch. Per dtype, before any shard
+    exists: construction compiles before it changes anything."""
+    with e.side.run(follow_current=True):
+        for dtype in {p.dtype for p in e.params}:
+            _compile_for(e, dtype)
+
+
+def _compile_for(e: Engine, dtype: torch.dtype) -> None:
+    one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=e.device)  # noqa: E731
+    moments = DTYPES[e.options.state_format]
+    state = {name: one(moments) for name in e.algo.state_names()}
+    if e.options.keeps_master(dtype):
+        state["master"] = one()
+    scales = {name: one() for name in e.algo.state_names()} if moments == torch.uint8 else None
+    coefs = e.algo.coefficients(e._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
+                                np.zeros(1, dtype=bool), 1.0)
+    coefs = e.side.upload(coefs)
+    rows = [(0, 1, 0, 0, 0)]
+    segments = Segments.build(rows, upload=e.side.upload)
+    clip = one() if e.max_grad_norm is not None else None
+    scale = one() if e.scaler is not None else None
+    e.algo.update("triton", rows, segments, coefs, UpdateArgs(
+        one(dtype), one(dtype), state, grad_scale=scale, found_inf=one(), clip_coef=clip, scales=scales,
+        stochastic=e.options.stochastic_rounding))
+    e.algo.grad_sumsq("triton", rows, segments, coefs, one(dtype), scale)

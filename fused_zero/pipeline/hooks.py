@@ -47,7 +47,6 @@ def register(engine, handles: list) -> None:
         pids = sorted({engine.pid_of[p] for p in reach(module, root) if p in engine.pid_of})
         if pids or module is root:
             handles.append(module.register_forward_pre_hook(ForwardWait(engine, pids, module is root)))
-    handles.append(root.register_forward_pre_hook(ForwardStart(engine)))
     # model.state_dict() reads the parameters: give it their updated values
     handles.append(root.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
     if engine.reduction.track_used:
@@ -93,17 +92,6 @@ class ForwardWait:
             if shard.gather is not None:
                 with range_push("fused_zero.forward_wait"):
                     shard.wait_gather()
-
-
-class ForwardStart:
-    """Forward pre-hook of the DDP's module: runs the engine's ``forward_start`` callables."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __call__(self, module, args):
-        for start in self.engine.forward_start:
-            start(module)
 
 
 class MarkUsed:

@@ -167,6 +167,7 @@ class Updates:
         stats[2] = float(it.edited)
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
             collectives.all_reduce(stats, self.group).wait()
+        e.grad_sumsq = stats[0]
         found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
         it.edited = it.edited if self.side.asynchronous else bool(stats[2] > 0)  # a host value on the CPU
         clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None

@@ -7,6 +7,7 @@ with gradient accumulation and a scheduler, recording every parameter after ever
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -48,12 +49,13 @@ def fp16_accelerator(**kwargs) -> Accelerator:
     return accelerator
 
 
-def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=None, fp16=False, inject=None,
-          extra=None):
-    """Returns the parameters after every optimizer step (and what clip_grad_norm_ returned).
-    ``inject``: the batch at which the last rank's loss (so its gradient) turns infinite; ``extra``
-    gets the loss scale, ``optimizer_step_was_skipped``, the LR and the first layer's output dtype after
-    every optimizer step."""
+def train(world, fused: bool, *, clip=None, query=None, save_at=None, load=None, options=None, fp16=False,
+          inject=None, extra=None):
+    """Returns the parameters after every optimizer step (and what clip_grad_norm_ returned, read after
+    the step). ``query``: a norm query (max_norm=inf) "before" or "after" the clip, whose result (or
+    refusal) is recorded too. ``inject``: the batch at which the last rank's loss (so its gradient) turns
+    infinite; ``extra`` gets the loss scale, ``optimizer_step_was_skipped``, the LR and the first layer's
+    output dtype after every optimizer step."""
     make = fp16_accelerator if fp16 else lambda **kw: Accelerator(cpu=True, **kw)
     accelerator = make(gradient_accumulation_steps=ACCUMULATE)
     model, loader = model_and_data(world)
@@ -80,7 +82,12 @@ def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=Non
                 loss = loss * float("inf")
             accelerator.backward(loss)
             if clip is not None and accelerator.sync_gradients:
-                returned.append(accelerator.clip_grad_norm_(model.parameters(), clip))
+                calls = [clip] if query is None else [math.inf, clip] if query == "before" else [clip, math.inf]
+                for max_norm in calls:
+                    try:
+                        returned.append(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                    except RuntimeError as e:
+                        returned.append(str(e))
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -91,6 +98,7 @@ def train(world, fused: bool, *, clip=None, save_at=None, load=None, options=Non
                               sched.get_last_lr()[0], linear_out[-1]))
             if save_at is not None and load is None and len(record) == save_at:
                 accelerator.save_state("state")  # every rank calls it: the optimizer's state_dict() is a collective
+    returned = [float(r) if isinstance(r, torch.Tensor) else r for r in returned]  # after the steps
     return record, returned, accelerator
 
 
@@ -116,12 +124,26 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     out["distributed"] = str(acc.distributed_type)
     out["plain"] = differences(ours, ref)
 
-    ref, _, _ = train(world, fused=False, clip=0.05)
+    ref, ref_returned, _ = train(world, fused=False, clip=0.05)
     ours, returned, _ = train(world, fused=True, clip=0.05, options={"overlap": "step"})
     unclipped, _, _ = train(world, fused=True, options={"overlap": "step"})
     out["clip"] = differences(ours, ref, exact=False)  # the norm is summed in another order
     out["clip_moved"] = not torch.equal(ours[-1][0], unclipped[-1][0])
-    out["clip_returned"] = returned == [None] * STEPS
+    # the true pre-clip norm, as torch returns it (to rounding: summed in another order)
+    out["clip_returned"] = (len(returned) == STEPS and
+                            all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(returned, ref_returned)), returned)
+    # a norm query after the clip (the Trainer's _get_grad_norm) is refused, and the clip still applies;
+    # one before it is honored as torch honors it (the same norm, then the clip)
+    after, returned_after, _ = train(world, fused=True, clip=0.05, query="after", options={"overlap": "step"})
+    before, returned_before, _ = train(world, fused=True, clip=0.05, query="before", options={"overlap": "step"})
+    out["query_after"] = (differences(after, ours), sorted({type(r).__name__ for r in returned_after[1::2]}),
+                          returned_after[1], returned_after[0::2] == returned)
+    out["query_before"] = (differences(before, ours), returned_before == [r for r in returned for _ in range(2)])
+    # where step() reads param.grad, Accelerate's own clip runs unchanged: bit for bit, queries too
+    native = {"overlap": "step", "grad_reduce": "all_reduce"}
+    ref, ref_returned, _ = train(world, fused=False, clip=0.05, query="after")
+    ours, returned, _ = train(world, fused=True, clip=0.05, query="after", options=native)
+    out["clip_native"] = (differences(ours, ref), returned == ref_returned)
 
     whole, _, _ = train(world, fused=True, save_at=3)
     resumed, _, _ = train(world, fused=True, save_at=3, load=os.path.join(tmp, "state"))
@@ -144,8 +166,8 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
         accelerator.clip_grad_value_(model.parameters(), 1.0)
 
     out["refusals"] = [
-        refusal(clip_in_bucket_mode, RuntimeError, r"clip_grad_norm_ with fused_zero needs overlap='step' "
-                r"\(got overlap='bucket'\)"),
+        refusal(clip_in_bucket_mode, RuntimeError, r"clip_grad_norm_ of a fused_zero optimizer's parameters needs "
+                r"overlap='step' or 'backward' \(got overlap='bucket'\)"),
         refusal(clip_by_value, RuntimeError, "clip_grad_value_ is not supported"),
         refusal(lambda: attached(torch_opt=True), TypeError, "needs the fused_zero optimizer .*torch.optim"),
         refusal(lambda: attached(unwrap=True), TypeError, "got torch.nn.modules.container.Sequential"),

@@ -1,7 +1,9 @@
 """fused_zero.accelerate on 2 gloo ranks launched as `accelerate launch` does: an Accelerate loop with
 gradient accumulation and a scheduler matches Accelerate + torch.optim.AdamW after every step (fp16 too,
 with Accelerate's GradScaler as it is on a GPU and an inf on one rank), clipping is routed to the
-optimizer, save_state/load_state resume bit-identically, refusals carry a message."""
+optimizer (the clip applied inside the update, the pre-clip norm returned; a norm query after the clip
+refused, never lifting it) or left to Accelerate where step() reads param.grad (bit for bit),
+save_state/load_state resume bit-identically, refusals carry a message."""
 
 import importlib.util
 import subprocess
@@ -24,7 +26,12 @@ def test_accelerate_attach(tmp_path):
     for r in results:
         assert r["distributed"] == "DistributedType.MULTI_CPU"
         assert r["plain"] == [], r["plain"]
-        assert r["clip"] == [] and r["clip_moved"] and r["clip_returned"], r["clip"]
+        assert r["clip"] == [] and r["clip_moved"] and r["clip_returned"][0], (r["clip"], r["clip_returned"])
+        moved, kinds, refusal, first_calls_equal = r["query_after"]
+        assert moved == [] and kinds == ["str"] and first_calls_equal, r["query_after"]
+        assert "after this step's clip to 0.05: fused_zero clips once" in refusal, refusal
+        assert r["query_before"] == ([], True), r["query_before"]
+        assert r["clip_native"] == ([], True), r["clip_native"]
         assert r["resume"] == [], r["resume"]
         assert r["refusals"] == ["ok"] * 5, r["refusals"]
         assert r["fp16"] == {"backward": [], "step-clip": []}, r["fp16"]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.checkpoint.checks import StateDictError
 
 
 def _model():
@@ -51,7 +52,8 @@ def unattached_and_attach_errors(rank, world):
     out.append(repr((sd["state"], sd["param_groups"][0]["lr"])))
     opt.load_state_dict(sd)
     with_state = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": sd["param_groups"]}
-    out.append(raises(lambda: opt.load_state_dict(with_state), RuntimeError, "load_state_dict.*attach"))
+    # checked at load, before attach (a valid one is kept until attach: tests/checkpoint/test_load_before_attach.py)
+    out.append(raises(lambda: opt.load_state_dict(with_state), StateDictError, "lacks 'exp_avg'"))
     out.append(raises(lambda: opt.attach(model), TypeError, "got .*OddNet; wrap the model first"))
     lone = _model()
     lone_opt = fused_zero.AdamW(lone.parameters())

@@ -158,8 +158,6 @@ def _publish_before_the_join(self, it):
 
 def _start_without_the_flag(self, it):
     """Defect 3 as it was (with ``_start_after_the_reduction``): no flag and no edge at the start."""
-    for start in self.iteration_start:
-        start()
     self.side.join()
     it.hparams = self._read_hparams()
 

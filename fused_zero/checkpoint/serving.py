@@ -1,0 +1,261 @@
+"""``optimizer.state_dict()`` on any rank, whatever the other ranks do meanwhile: each rank serves its
+shards from a thread of its own, over a CPU process group of its own (channel.py).
+
+Rank 0 calls ``state_dict()`` alone in nanoGPT (under ``if master_process:``) and in the Hugging Face
+Trainer (``should_save``). Meanwhile the other ranks go on: into their next forward and backward, a
+logging all-reduce, the Trainer's token-count gather, another model's DDP, an evaluation. Whatever
+collective they are in waits for rank 0, so they cannot gather anything for it; their server threads
+can.
+
+What is served is the state after the last step every rank completed, on every rank, without locking
+the training thread out:
+
+- **Versions.** Every rank counts its completed optimizer steps and loads (``published``, called by
+  the training thread after each). A request carries the requester's count; a server waits (up to
+  ``JOIN_DEADLINE_S``) until its own rank has published that count, and refuses any other.
+- **Why nothing moves under the server's reads.** A rank's state regions, and the registry saying
+  where they are, change only in ``step()`` (before it publishes), in a load (after a collective
+  check) or after a collective of the next iteration (its reductions, a reshard's all_to_all). A
+  requester inside ``state_dict()`` is between steps, so it has joined none of its next iteration's
+  collectives: no rank's state can change until every requester has been served. ``state_dict()``
+  between a backward and ``step()`` is therefore refused, on the caller, at once.
+- **GPU.** ``published`` records an event on the training thread's current stream, which ``step()``
+  orders after every update (and keeps the side stream's last update event): the server's reads wait
+  for those on a stream of their own, never for the side stream itself, where the next iteration's
+  updates may already be queued behind reductions that wait for the requester.
+- **No per-iteration cost** beyond the count (and, on CUDA, one event): no store traffic, no message.
+
+Who talks to whom, per ``state_dict()`` call on rank r (``to=None`` or ``to=r``): r leaves an
+announcement in every rank's mailbox in the store (inbox.py; their listener records it at once,
+server.py), then asks the ranks one at a time, in rank order, for their slices (a mailbox message),
+which their server thread sends over the gloo channel (a refusal first, if any); should r fail on the
+way, it withdraws the announcement where it did not ask yet. Several requesters at once
+(``state_dict()`` on every rank) never deadlock: each holds one server at a time and takes them in the
+same order. ``state_dict(to=r)`` on a rank other than r returns None once that rank has served r (so
+no rank leaves while r still needs it), or raises if r did not ask within ``JOIN_DEADLINE_S``. A
+checkpoint costs the store O(world size) requests; an iteration costs it none.
+
+All deadlines are ``channel``'s (``JOIN_DEADLINE_S`` for a rank to get somewhere, ``TRANSFER_DEADLINE_S``
+for a message). Keep every rank alive until a rank-0-only ``state_dict()`` has returned (any collective
+does: the training step after it, a barrier before exiting): a rank that exits first leaves part of the
+state unreachable, and the call fails, saying so; one that exits while rank 0 is being served waits for
+that to finish (server.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from . import channel
+from .canonical import layout_fingerprint, sharded_slices
+from .channel import Channel, ChannelError, request_tag
+from .server import ShardServer, server_for
+
+WINDOW = 8
+"""Messages in flight per peer while slices are sent and received."""
+
+USAGE = ("call optimizer.state_dict() between steps (before the backward or after optimizer.step()), on "
+         "any rank or ranks; with to=r, rank r must call it too")
+
+
+class CheckpointSyncError(RuntimeError):
+    """``state_dict()`` could not be served; raised on the calling ranks, with what to do."""
+
+
+def peers_for(engine) -> CheckpointPeers:
+    """This optimizer's side of ``state_dict()`` across ranks; at ``attach``, on every rank."""
+    return CheckpointPeers(engine, server_for(engine.group) if engine.world > 1 else None)
+
+
+class CheckpointPeers:
+    """One optimizer's ``state_dict()`` across ranks: its version, what it serves, what it asks for.
+
+    Attributes:
+        version: completed steps and loads on this rank (the same on every rank between steps).
+        server: the group's ShardServer (None at world size 1); ``number`` this optimizer's there.
+    """
+
+    def __init__(self, engine, server: ShardServer | None):
+        self.engine = engine
+        self.server = server
+        self.version = 0
+        self.number = server.register(self) if server is not None else None
+        self._events: tuple = ()  # CUDA: what the server's reads wait for (see published)
+        self._stream = None  # CUDA: the server's own stream, made when first needed
+        self._cond = threading.Condition()
+        self._waiting = False
+
+    # ------------------------------------------------------------------ the training thread
+
+    def published(self) -> None:
+        """A step (or a load) completed on this rank: its state may be served as this version."""
+        if self.server is None:
+            return
+        e = self.engine
+        if e.side.stream is not None:
+            events = [torch.cuda.current_stream(e.device).record_event()]
+            self._events = tuple(events + ([e.side.updated] if e.side.updated is not None else []))
+        self.version += 1
+        if self._waiting:
+            with self._cond:
+                self._cond.notify_all()
+
+    def state_dict(self, to: int | None, make_builder):
+        """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
+        built. Returns the dict, or None on ranks other than ``to``."""
+        e = self.engine
+        if e.iteration.invoked:
+            raise CheckpointSyncError("optimizer.state_dict() was called between a backward and optimizer.step(): "
+                                      "the state is served as it is after a step; " + USAGE)
+        if self.server is None:
+            return make_builder().local().result()
+        if to is not None and to != e.rank:
+            self._await_served(to)
+            return None
+        k = next(self.server.requests)
+        others = [r for r in range(e.world) if r != e.rank]
+        try:
+            self._post(others, {"kind": "announce", "number": self.number, "version": self.version, "to": to,
+                                "k": k})
+            builder = make_builder().local()
+            while others:
+                self._fetch_from(others[0], k, builder)
+                others.pop(0)
+            return builder.result()
+        finally:
+            if others:  # failed on the way: the ranks not asked yet stop waiting for this request
+                try:
+                    self._post(others, {"kind": "cancel", "k": k})
+                except CheckpointSyncError:
+                    pass
+
+    def _post(self, ranks: list[int], message: dict) -> None:
+        try:
+            for r in ranks:
+                self.server.inbox.post(r, {**message, "src": self.engine.rank})
+        except Exception as err:  # the store is gone: so is whoever hosted it
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.engine.rank} cannot reach the other "
+                                      f"ranks through the process group's store ({type(err).__name__}: {err})"
+                                      ) from None
+
+    def _fetch_from(self, src: int, k: int, builder) -> None:
+        """Ask rank ``src`` for its slices and add them to ``builder``, ``WINDOW`` messages in flight."""
+        ch, e = self.server.channel, self.engine
+        self._post([src], {"kind": "serve", "number": self.number, "version": self.version, "k": k,
+                           "fingerprint": builder.fingerprint})
+        # no gloo message before src has taken the request (and so serves it before it exits): a
+        # lazily connecting pair waits forever for a peer that exited in the middle of the handshake
+        server = self.server
+        with server.cond:
+            taken = server.wait(lambda: True if (src, k) in server.acks else None, channel.JOIN_DEADLINE_S)
+            server.acks.discard((src, k))
+        if taken is None:
+            raise CheckpointSyncError(
+                f"optimizer.state_dict() on rank {e.rank}: rank {src} did not take the request within "
+                f"{channel.JOIN_DEADLINE_S:.0f} s (its process is gone or stuck). Keep every rank alive until "
+                "optimizer.state_dict() has returned (any collective after it, e.g. a dist.barrier() before "
+                "exiting): the other ranks hold their shards of the state")
+        deadline = channel.TRANSFER_DEADLINE_S
+        try:
+            why = ch.recv_text(src, request_tag(k, 0), deadline)
+            if why:
+                raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.rank}: {why}")
+            pending = collections.deque()
+            for i, (shard, name) in enumerate(builder.slices, start=1):
+                buf = torch.empty(shard.layout.shard, dtype=torch.float32)
+                pending.append((ch.start_recv(buf, src, request_tag(k, i)), buf, shard, name))
+                if len(pending) >= WINDOW or i == len(builder.slices):
+                    while pending:
+                        work, buf, shard, name = pending.popleft()
+                        ch.wait(work, buf, src, "receiving optimizer state from", deadline)
+                        builder.add(shard, name, src * shard.layout.shard, buf)
+        except ChannelError as err:
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}. Keep every rank alive until "
+                                      "optimizer.state_dict() has returned (any collective after it, e.g. a "
+                                      "dist.barrier() before exiting): the other ranks hold their shards of the "
+                                      "state") from None
+
+    def _await_served(self, to: int) -> None:
+        """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version (up to
+        JOIN_DEADLINE_S) and this rank has served it."""
+        server, version, me = self.server, self.version, self.engine.rank
+
+        def announcement():
+            queue = server.announced.get((self.number, to))
+            while queue and queue[0][0] < version:
+                queue.popleft()  # an older checkpoint this rank did not take part in
+            return queue.popleft() if queue else None
+
+        with server.cond:
+            found = server.wait(announcement, channel.JOIN_DEADLINE_S)
+            if found is None:
+                raise CheckpointSyncError(
+                    f"optimizer.state_dict(to={to}) on rank {me}: rank {to} did not call optimizer.state_dict() "
+                    f"within {channel.JOIN_DEADLINE_S:.0f} s. Only rank {to} receives the dict, so it must call it "
+                    f"too (or call it on rank {to} alone)")
+            theirs, _, k = found
+            if theirs != version:
+                raise CheckpointSyncError(f"rank {to} called optimizer.state_dict() at version {theirs}, rank {me} "
+                                          f"at {version} (completed steps and loads): " + USAGE)
+            why = server.wait(lambda: server.outcomes.get((to, k)), channel.TRANSFER_DEADLINE_S)
+        if why is None:
+            raise CheckpointSyncError(f"rank {me} did not finish serving rank {to} within "
+                                      f"{channel.TRANSFER_DEADLINE_S:.0f} s")
+        if why:
+            raise CheckpointSyncError(f"optimizer.state_dict(to={to}) on rank {me}: rank {to} was not served "
+                                      f"here: {why}")
+
+    # ------------------------------------------------------------------ the server thread
+
+    def ready_for(self, version: int, fingerprint: int) -> str:
+        """Why this rank cannot serve ``version`` ("" once it can), waiting up to JOIN_DEADLINE_S for its
+        training thread to publish it."""
+        deadline = time.monotonic() + channel.JOIN_DEADLINE_S
+        with self._cond:
+            self._waiting = True
+            try:
+                while self.version < version and time.monotonic() < deadline:
+                    self._cond.wait(min(deadline - time.monotonic(), 0.5))
+            finally:
+                self._waiting = False
+        mine = self.version
+        if mine != version:
+            late = f", and it did not get there within {channel.JOIN_DEADLINE_S:.0f} s" if mine < version else ""
+            return (f"rank {self.engine.rank} is at version {mine} (completed steps and loads), the requester at "
+                    f"{version}{late}: " + USAGE)
+        if layout_fingerprint(self.engine) != fingerprint:
+            return f"rank {self.engine.rank} holds another bucket layout than the requester's at the same version"
+        return ""
+
+    def send_slices(self, ch: Channel, dst: int, k: int) -> None:
+        """This rank's slice of every sharded state region, in the order the requester's builder takes."""
+        e = self.engine
+        pending = collections.deque()
+        order = sharded_slices(e)
+        for i, (shard, name) in enumerate(order, start=1):
+            data = self._host(shard, name)
+            pending.append((ch.start_send(data, dst, request_tag(k, i)), data))
+            if len(pending) >= WINDOW or i == len(order):
+                while pending:
+                    work, data = pending.popleft()
+                    ch.wait(work, data, dst, "sending optimizer state to", channel.TRANSFER_DEADLINE_S)
+
+    def _host(self, shard, name: str) -> torch.Tensor:
+        """This rank's slice of a state region, in fp32 (decoded where the moments are compact) and
+        readable by gloo: on the CPU the region's own elements where stored in fp32; on CUDA a host copy
+        made on this thread's own stream once the last published step's updates are done (module
+        docstring, GPU), the decoding included."""
+        lo, _ = shard.layout.region_slice(self.engine.rank)
+        device = shard.state[name].device
+        if device.type == "cpu":
+            return shard.values(name)[lo:lo + shard.layout.shard].contiguous()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
+            for event in self._events:
+                self._stream.wait_event(event)
+            return shard.values(name)[lo:lo + shard.layout.shard].to("cpu")
