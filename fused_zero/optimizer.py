@@ -20,6 +20,11 @@ options shared by all:
                     module's forward waits only for the buckets it can read, see pipeline/hooks.py; read
                     parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
+    state_format    how the moments are kept: "fp32" (default), "bf16" or "int8" (8-bit blocks with
+                    one fp32 scale each, kernels/formats.py); one format for every param group
+    stochastic_rounding   bf16 parameters without masters rounded stochastically (unbiased), with
+                    bits drawn from ``seed``, the step and the element's index in its parameter
+    seed            the stochastic rounding's seed
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from .checkpoint import canonical, loading, serving, sharded
 from .options import ShardingOptions
 from .pipeline.engine import Engine
 from .update.algorithms import AdamFamily, SGDAlgorithm
+
+# sharding options a param group may not set: they shape the buckets' state, which groups share
+_PER_OPTIMIZER = ("state_format", "stochastic_rounding", "seed")
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -166,6 +174,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces when attached; "
                                "add_param_group afterwards is not supported")
+        per_optimizer = [k for k in _PER_OPTIMIZER if isinstance(param_group, dict) and k in param_group]
+        if per_optimizer:
+            raise ValueError(
+                f"param group {len(self.param_groups)} sets {', '.join(per_optimizer)}: fused_zero keeps one "
+                f"state format and one rounding for every param group; pass "
+                f"{', '.join(f'{k}=...' for k in per_optimizer)} to the optimizer itself instead")
         super().add_param_group(param_group)
 
     @torch.no_grad()

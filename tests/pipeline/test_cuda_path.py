@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.pipeline.engine
+from fused_zero.pipeline.engine import Engine, compile_kernels
 from fused_zero.pipeline.streams import SideStream
 
 OVERLAPS = ("bucket", "backward", "step")
@@ -74,18 +75,26 @@ def check_all_reduce_grad_is_ddps(rank, world):
 def check_find_unused_issues_no_blocking_collective(rank, world):
     """d: with find_unused_parameters, the hook all-reduces the used flags asynchronously (a blocking
     all-reduce is a host sync on CUDA, per bucket), and the step counts still follow torch.optim's."""
-    calls = []
-    real = fused_zero.pipeline.engine.dist.all_reduce
+    calls, in_hook = [], []
+    real, real_hook = fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket
 
     def recording(*args, **kw):
-        calls.append(bool(kw.get("async_op", False)))
+        if in_hook:  # construction's own collectives (attach's agreement) are not the hook's
+            calls.append(bool(kw.get("async_op", False)))
         return real(*args, **kw)
 
-    fused_zero.pipeline.engine.dist.all_reduce = recording
+    def hook(self, bucket):
+        in_hook.append(True)
+        try:
+            return real_hook(self, bucket)
+        finally:
+            in_hook.pop()
+
+    fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket = recording, hook
     try:
         out = run_case(Case(graph="find_unused", bucket_cap_mb=0.0001, steps=6), rank, world)
     finally:
-        fused_zero.pipeline.engine.dist.all_reduce = real
+        fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket = real, real_hook
     assert calls, "no all-reduce of the used flags was issued"
     assert all(calls), f"{calls.count(False)} of {len(calls)} all-reduces from the hook block the host"
     assert out["worst"] < 1e-4, out
@@ -138,7 +147,7 @@ def check_every_launch_under_the_guard(rank, world):
                 return _real(*args, **kw)
 
             setattr(engine.algo, name, wrapped)
-        engine._compile_kernels()  # the warm-up launches (Triton, through the interpreter here)
+        compile_kernels(engine)  # the warm-up launches (Triton, through the interpreter here)
         for step in range(1, 3):
             _loss(ddp, step, rank).backward()
             opt.step()

@@ -232,7 +232,14 @@ def _refusals(rank, world):
                   "stochastic_rounding rounds fp32 results to bf16"),
            raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True, master_weights=True),
                   ValueError, "master_weights=True"),
-           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, seed=-1), ValueError, "seed")]
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, seed=-1), ValueError, "seed"),
+           # one format per optimizer: a param group's own is refused, never silently ignored
+           raises(lambda: fused_zero.AdamW([{"params": [model.weight], "state_format": "int8"},
+                                            {"params": [model.bias]}], ddp=ddp),
+                  ValueError, "param group 0 sets state_format"),
+           raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
+                                            {"params": [model.bias], "stochastic_rounding": True}]),
+                  ValueError, "pass stochastic_rounding=... to the optimizer")]
     return out
 
 
