@@ -10,10 +10,13 @@ by the update that produced the block), and one byte per element: the element di
 in [-1, 1]) in a floating-point code of its own, exact to decode, rounded to nearest even to encode:
 
     signed (exp_avg, momentum):   sign | 4-bit exponent e | 3-bit fraction f   value = +-2^(e-15) (1 + f/8)
-    unsigned (exp_avg_sq):        4-bit exponent e | 4-bit fraction f            value = 2^(e-15) (1 + f/16)
+    unsigned (exp_avg_sq):        5-bit exponent e | 3-bit fraction f            value = 2^(e-31) (1 + f/8)
 
-with e = 0 meaning 0. Sixteen binades below the block's maximum, at 6.3% (signed) and 3.1% (unsigned)
-relative precision. A value under the smallest binade is 0 when signed, and the smallest code when
+with e = 0 meaning 0, at 6.3% relative precision (half a step of the fraction). The second moment
+grows as the gradient squared, so it gets twice the binades: 15 below the block's maximum for the
+first moment, 31 for the second, the same span of gradient magnitudes (2^15) for both; with 4
+exponent bits for the second moment, an element 2^8 times smaller than its block's largest gradient
+would sit on the floor, its step shrunk. A value under the smallest binade is 0 when signed, and the smallest code when
 unsigned: a second moment never becomes 0 unless it is, so its square root never leaves ``eps`` alone
 under a first moment that is not 0 (a step that would blow up). bitsandbytes and torchao use a
 "dynamic tree" map looked up in a 256-entry table, with a search to encode; this code needs neither,
@@ -63,8 +66,8 @@ def decode8(code, SIGNED: tl.constexpr):
         e = (c >> 3) & 15
         bits = tl.where(e == 0, 0, ((e + 112) << 23) | ((c & 7) << 20)) | ((c >> 7) << 31)
     else:
-        e = c >> 4
-        bits = tl.where(e == 0, 0, ((e + 112) << 23) | ((c & 15) << 19))
+        e = c >> 3
+        bits = tl.where(e == 0, 0, ((e + 96) << 23) | ((c & 7) << 20))
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -79,9 +82,9 @@ def encode8(y, SIGNED: tl.constexpr):
         code = tl.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
         code = tl.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
     else:
-        r = mag + 0x3FFFF + ((mag >> 19) & 1)
-        e = (r >> 23) - 112
-        code = tl.where(e >= 1, (e << 4) | ((r >> 19) & 15), tl.where(mag != 0, 16, 0))
+        r = mag + 0x7FFFF + ((mag >> 20) & 1)
+        e = (r >> 23) - 96
+        code = tl.where(e >= 1, (e << 3) | ((r >> 20) & 7), tl.where(mag != 0, 8, 0))
     return code.to(tl.uint8)
 
 

@@ -144,3 +144,20 @@ def test_modules_and_classes_stay_small(module, path):
     big = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES]
     assert not big, f"{module}: classes over {CLASS_LINES} lines: {big}"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml names the packages a wheel holds: a package directory missing from that list
+    imports in an editable checkout and is absent from ``pip install .`` (CI installs that way)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {v: k for k, v in config["package-dir"].items()}  # folder -> the package it installs as
+    found = set()
+    for init in [*ROOT.glob("fused_zero/**/__init__.py"), *ROOT.glob("kernels/**/__init__.py")]:
+        rel = init.parent.relative_to(ROOT).parts
+        root = dirs[rel[0]]
+        found.add(".".join([root, *rel[1:]]))
+    assert found == set(config["packages"]), (
+        f"missing from pyproject.toml's packages: {sorted(found - set(config['packages']))}; "
+        f"listed without a folder: {sorted(set(config['packages']) - found)}")

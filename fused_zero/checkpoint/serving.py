@@ -20,7 +20,7 @@ the training thread out:
   collectives: no rank's state can change until every requester has been served. ``state_dict()``
   between a backward and ``step()`` is therefore refused, on the caller, at once.
 - **GPU.** ``published`` records an event on the training thread's current stream, which ``step()``
-  orders after every update (and keeps the side stream's last update event): the server's reads wait
+  orders after every update (it joins the side stream): the server's reads wait
   for those on a stream of their own, never for the side stream itself, where the next iteration's
   updates may already be queued behind reductions that wait for the requester.
 - **No per-iteration cost** beyond the count (and, on CUDA, one event): no store traffic, no message.
@@ -96,9 +96,8 @@ class CheckpointPeers:
         if self.server is None:
             return
         e = self.engine
-        if e.side.stream is not None:
-            events = [torch.cuda.current_stream(e.device).record_event()]
-            self._events = tuple(events + ([e.side.updated] if e.side.updated is not None else []))
+        if e.side.stream is not None:  # step() has joined the side stream: the current stream is after it
+            self._events = (e.side.api.current().record_event(),)
         self.version += 1
         if self._waiting:
             with self._cond:

@@ -26,8 +26,8 @@ def decode8(code: torch.Tensor, signed: bool) -> torch.Tensor:
         e = (c >> 3) & 15
         bits = torch.where(e == 0, 0, ((e + 112) << 23) | ((c & 7) << 20))
     else:
-        e = c >> 4
-        bits = torch.where(e == 0, 0, ((e + 112) << 23) | ((c & 15) << 19))
+        e = c >> 3
+        bits = torch.where(e == 0, 0, ((e + 96) << 23) | ((c & 7) << 20))
     value = bits.to(torch.int32).view(torch.float32)
     return torch.where((c >> 7) == 1, -value, value) if signed else value  # negation: the sign bit
 
@@ -41,9 +41,9 @@ def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
         code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
         code = torch.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
     else:
-        r = mag + 0x3FFFF + ((mag >> 19) & 1)
-        e = (r >> 23) - 112
-        code = torch.where(e >= 1, (e << 4) | ((r >> 19) & 15), torch.where(mag != 0, 16, 0))
+        r = mag + 0x7FFFF + ((mag >> 20) & 1)
+        e = (r >> 23) - 96
+        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), torch.where(mag != 0, 8, 0))
     return code.to(torch.uint8)
 
 

@@ -40,27 +40,27 @@ def _index(rows):
 
 def decode8(code: torch.Tensor, signed: bool) -> torch.Tensor:
     c = code.to(torch.int64)
-    e = (c >> 3) & 15 if signed else c >> 4
-    f = (c & 7) / 8.0 if signed else (c & 15) / 16.0
-    value = torch.ldexp(1.0 + f.to(torch.float32), (e - 15).to(torch.int32))
+    e = (c >> 3) & 15 if signed else c >> 3
+    f = (c & 7) / 8.0
+    value = torch.ldexp(1.0 + f.to(torch.float32), (e - (15 if signed else 31)).to(torch.int32))
     value = torch.where(e == 0, torch.zeros_like(value), value)
     return torch.where((c >> 7) == 1, -value, value) if signed else value
 
 
 def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Nearest code (ties to even), for ``y`` in [-1, 1]: 1 + fraction rounded to 3 (4) bits."""
-    bits = 3 if signed else 4
+    """Nearest code (ties to even), for ``y`` in [-1, 1]: 1 + fraction rounded to 3 bits."""
+    bits = 3
     m, ex = torch.frexp(y.abs())  # |y| = m 2^ex, m in [0.5, 1)
     frac = torch.round((2 * m.double() - 1) * 2 ** bits)  # half to even
     carry = frac == 2 ** bits
-    e = ex.to(torch.int64) - 1 + 15 + carry.to(torch.int64)
+    e = ex.to(torch.int64) - 1 + (15 if signed else 31) + carry.to(torch.int64)
     frac = torch.where(carry, torch.zeros_like(frac), frac).to(torch.int64)
     under = (e < 1) | (y == 0)
     code = (e << bits) | frac
     if signed:
         code = torch.where(under, torch.zeros_like(code), code | ((y < 0).to(torch.int64) << 7))
     else:
-        code = torch.where(under, torch.where(y != 0, torch.full_like(code, 16), torch.zeros_like(code)), code)
+        code = torch.where(under, torch.where(y != 0, torch.full_like(code, 8), torch.zeros_like(code)), code)
     return code.to(torch.uint8)
 
 
