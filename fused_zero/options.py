@@ -19,6 +19,7 @@ BACKENDS = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_SYNCS = ("step", "forward")
 ON_NONFINITES = ("skip", "raise")
+GRAD_REDUCE_DTYPES = (None, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class ShardingOptions:
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
         checkpoint_handshake: let rank 0 call ``state_dict()`` alone (a per-iteration handshake through
             the process group's store, see checkpoint/rank0.py); False: call it on every rank.
+        shard_group: None (shard over all of DDP's ranks), an int S (groups of S consecutive ranks), a
+            ProcessGroup (this rank's shard group) or a DeviceMesh (2-D: replicate, shard): shard within
+            the group and replicate across the groups (pipeline/topology.py).
+        grad_reduce_dtype: None (gradients travel in their own dtype, as DDP's default) or torch.bfloat16 /
+            torch.float16: fp32 gradients are cast and divided by W in that dtype before the reduction,
+            as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; the update reads them into fp32.
     """
 
     grad_reduce: str = "reduce_scatter"
@@ -52,6 +59,8 @@ class ShardingOptions:
     grad_scaler: object = None
     on_nonfinite: str = "skip"
     checkpoint_handshake: bool = True
+    shard_group: object = None
+    grad_reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         _check_choice("overlap", self.overlap, OVERLAPS)
@@ -62,6 +71,12 @@ class ShardingOptions:
         if self.grad_scaler is not None and self.overlap == "bucket":
             raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
                              "a bucket is updated before the later buckets' overflow check is known")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of None (each gradient in "
+                             "its own dtype), torch.bfloat16, torch.float16")
+        if isinstance(self.shard_group, bool) or (isinstance(self.shard_group, int) and self.shard_group < 1):
+            raise ValueError(f"shard_group={self.shard_group!r}: give the number of consecutive ranks per shard "
+                             "group (a divisor of DDP's world size), a ProcessGroup or a DeviceMesh")
         if not isinstance(self.checkpoint_handshake, bool):
             raise ValueError(f"checkpoint_handshake must be True or False, got {self.checkpoint_handshake!r}")
         if self.max_grad_norm is not None:

@@ -9,7 +9,9 @@ weights, without which a resumed run restarts from rounded weights and drifts. t
 Since torch.optim never updates that entry, a master that no longer rounds to its parameter is stale and
 refused.
 
-The layout module says where each element lives; this module only walks its pieces.
+The layout module says where each element lives; this module only walks its pieces. With shard groups
+(pipeline/topology.py) every shard group holds the whole state: the gathers run within one, and a
+load fills each rank's region from the dict with no collective, whatever the sharding it was saved at.
 """
 
 from __future__ import annotations
@@ -26,19 +28,24 @@ from .rank0 import CheckpointHandshake
 
 def _full_into(engine, shard, name: str, out: torch.Tensor | None, to: int | None) -> None:
     """Write the whole bucket's values of one state tensor into ``out`` (bucket order; None on ranks
-    other than ``to``). A collective."""
+    that do not receive). A collective of the shard group: each shard group holds the whole state, so
+    with ``to`` only ``to``'s shard group gathers, and the others have nothing to do."""
     layout: BucketLayout = shard.layout
+    topo = engine.topology
     region = shard.state[name]
-    mine, tail = slice(*layout.region_slice(engine.rank)), slice(*layout.region_tail(engine.rank))
+    mine, tail = slice(*layout.region_slice(layout.rank)), slice(*layout.region_tail(layout.rank))
     if layout.shard:
-        if engine.world == 1:
-            out[:layout.head].copy_(region[mine])
+        if layout.world_size == 1:
+            if out is not None:
+                out[:layout.head].copy_(region[mine])
         elif to is None:
-            collectives.all_gather(out[:layout.head], region[mine].contiguous(), engine.group, async_op=False)
+            collectives.all_gather(out[:layout.head], region[mine].contiguous(), topo.shard_group, async_op=False)
         else:
-            chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(engine.world)] if (
-                engine.rank == to) else None
-            collectives.gather(region[mine].contiguous(), chunks, to, engine.group)
+            replica, dst = topo.position(to)
+            if replica == topo.replica:
+                chunks = [out[r * layout.shard:(r + 1) * layout.shard] for r in range(layout.world_size)] if (
+                    engine.rank == to) else None
+                collectives.gather(region[mine].contiguous(), chunks, dst, topo.shard_group)
     if out is not None:
         out[layout.head:].copy_(region[tail])
 
@@ -172,7 +179,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         for region in shard.state.values():
             region.zero_()
         shard.init_master_from_params()
-        for piece in shard.layout.pieces(engine.rank):
+        for piece in shard.layout.pieces(shard.layout.rank):
             pid = shard.layout.pids[piece.local]
             saved = entries[pid]
             for name, region in shard.state.items():
@@ -216,8 +223,9 @@ def local_entry(engine, pid: int) -> dict:
     parameter's memory order, pipeline/strides.py), holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
     shard, local = engine.registry.where[pid]
-    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, engine.rank)
-            if owner in (engine.rank, REPLICATED)]
+    me = shard.layout.rank
+    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
+            if owner in (me, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":
         entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
