@@ -181,13 +181,19 @@ class Reduction:
         works.append(collectives.reduce_scatter(grad[lo:hi], grad[:layout.head], topo.shard_group))
         if topo.replicas == 1:
             return grad, works, works[-1] if self.rs_future else None
-        with self.side.run(follow_current=False):
-            for w in works:
-                w.wait()
-            across = collectives.all_reduce(grad[lo:hi], topo.replica_group)
+        across = self._across_replicas(works, grad[lo:hi])
         # the stage-1 Works are not waited for again: gloo's reduce-scatter copies its result into the
         # output at each wait(), which would overwrite the sum across replicas
         return grad, [across], across
+
+    def _across_replicas(self, works: list, piece: torch.Tensor):
+        """All-reduce this rank's reduced slice across the replicas, from the side stream once it has
+        waited for the shard group's reduction (NCCL's communicator of another group does not follow
+        it by itself)."""
+        with self.side.run(follow_current=False):
+            for w in works:
+                w.wait()
+            return collectives.all_reduce(piece, self.topology.replica_group)
 
     def end_step(self) -> None:
         """After ``step()``: with static_graph the first iteration's used map is made global once (a host

@@ -5,7 +5,8 @@
 - ``test_shard_groups_four_ranks``: W=4 in shard groups of 2 (2 replicas), every overlap mode x both
   reductions x both reduction plans (gloo's one all-reduce; NCCL's reduce-scatter in the group and
   all-reduce across replicas, forced on gloo), the bucket size rotating; the group given as an int, a
-  ProcessGroup and a 2-D DeviceMesh; bf16 parameters; groups of 1 (every rank a replica). The optimizer
+  ProcessGroup and a 2-D DeviceMesh; bf16 parameters; groups of 1 (every rank a replica); clipping by
+  the global norm (each element counted once, not once per replica). The optimizer
   state each rank holds is 1/S of torch.optim's plus the replicated tails, exactly.
 - ``test_grad_reduce_dtype``: at W=2 and W=4 (flat and in shard groups of 2), every overlap mode x both
   reductions in bf16, one fp16 case; bit-identical to DDP + ``bf16_compress_hook`` on gloo's plan, within
@@ -60,7 +61,10 @@ def shard_cases():
               Case(overlap="step", grad_reduce="all_reduce", bucket_cap_mb=TWO, shard="mesh:2"),
               Case(dtype=bf16, bucket_cap_mb=TINY, shard=2),
               Case(overlap="step", bucket_cap_mb=TINY, shard=1, plan="nccl", param_sync="forward"),
-              Case(opt="SGD", graph="find_unused", bucket_cap_mb=TINY, shard=2, plan="nccl")]
+              Case(opt="SGD", graph="find_unused", bucket_cap_mb=TINY, shard=2, plan="nccl"),
+              # the global norm counts every element once: slices on the first replica, tails on one rank
+              Case(overlap="step", bucket_cap_mb=TINY, shard=2, plan="nccl", max_grad_norm=0.05),
+              Case(overlap="backward", bucket_cap_mb=TWO, shard=2, max_grad_norm=0.05)]
     return cases
 
 
