@@ -20,6 +20,7 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_FORMATS = ("fp32", "bf16", "int8")
 PARAM_SYNCS = ("step", "forward")
 ON_NONFINITES = ("skip", "raise")
+GRAD_REDUCE_DTYPES = (None, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class ShardingOptions:
             rounded to bf16 stochastically (unbiased), with random bits drawn from ``seed``, the step
             and the element's place in its parameter: reproducible, and the same at any world size.
         seed: the stochastic rounding's seed.
+        shard_group: None (shard over all of DDP's ranks), an int S (groups of S consecutive ranks), a
+            ProcessGroup (this rank's shard group) or a DeviceMesh (2-D: replicate, shard): shard within
+            the group and replicate across the groups (pipeline/topology.py).
+        grad_reduce_dtype: None (gradients travel in their own dtype, as DDP's default) or torch.bfloat16 /
+            torch.float16: fp32 gradients are cast and divided by W in that dtype before the reduction,
+            as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; the update reads them into fp32.
     """
 
     grad_reduce: str = "reduce_scatter"
@@ -60,6 +67,8 @@ class ShardingOptions:
     state_format: str = "fp32"
     stochastic_rounding: bool = False
     seed: int = 0
+    shard_group: object = None
+    grad_reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         _check_choice("overlap", self.overlap, OVERLAPS)
@@ -78,6 +87,12 @@ class ShardingOptions:
                              "combined with master_weights=True")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of None (each gradient in "
+                             "its own dtype), torch.bfloat16, torch.float16")
+        if isinstance(self.shard_group, bool) or (isinstance(self.shard_group, int) and self.shard_group < 1):
+            raise ValueError(f"shard_group={self.shard_group!r}: give the number of consecutive ranks per shard "
+                             "group (a divisor of DDP's world size), a ProcessGroup or a DeviceMesh")
         if self.max_grad_norm is not None:
             if self.overlap == "bucket":
                 raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "

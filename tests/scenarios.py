@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -77,13 +78,19 @@ class Case:
     fp32_branch: bool = False  # mixed dtypes: keep the branch in fp32 in a bf16 model
     breaks: tuple | None = None  # test of the checks: ("skip" | "double", step, parameter name)
     master: bool | None = None  # master_weights=; False: 16-bit parameters updated without an fp32 copy
+    shard: int | str | None = None  # shard_group=: an int, "group:S" (a ProcessGroup), "mesh:S" (a 2-D DeviceMesh)
+    reduce_dtype: torch.dtype | None = None  # grad_reduce_dtype=; the reference uses DDP's compression hook
+    plan: str = "auto"  # "nccl": NCCL's reduce-scatter plan forced on gloo (collectives.py)
 
     def name(self) -> str:
         return (f"{self.opt}{self.kwargs or ''}-{self.overlap}-{self.grad_reduce}-cap{self.bucket_cap_mb}-"
                 f"g{self.groups}-{str(self.dtype)[6:]}-{self.graph}-view{int(self.as_view)}-acc{self.accumulate}"
                 f"{'-nanogpt' if self.nanogpt_accumulate else ''}-clip{self.max_grad_norm}-{self.backend}"
                 f"-sync{self.param_sync}{'-fp32branch' if self.fp32_branch else ''}"
-                f"{f'-breaks{self.breaks}' if self.breaks else ''}{'-nomaster' if self.master is False else ''}")
+                f"{f'-breaks{self.breaks}' if self.breaks else ''}{'-nomaster' if self.master is False else ''}"
+                f"{f'-shard{self.shard}' if self.shard is not None else ''}"
+                f"{f'-reduce{str(self.reduce_dtype)[6:]}' if self.reduce_dtype else ''}"
+                f"{f'-plan{self.plan}' if self.plan != 'auto' else ''}")
 
 
 DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
@@ -114,10 +121,14 @@ def build(case: Case, rank: int):
                   static_graph=case.graph == "static", find_unused_parameters=case.graph == "find_unused")
     ddp = DDP(model, **ddp_kw)
     ref_ddp = DDP(ref_model, **ddp_kw)
-    opt = getattr(fused_zero, case.opt)(param_groups(model, case), ddp=ddp, overlap=case.overlap,
-                                         grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
-                                         backend=case.backend, param_sync=case.param_sync,
-                                         master_weights=case.master)
+    if case.reduce_dtype is not None:  # DDP's own compression: cast, divide by W, all-reduce, copy back
+        ref_ddp.register_comm_hook(None, compress_hook(case.reduce_dtype))
+    with forced_plan(case.plan):
+        opt = getattr(fused_zero, case.opt)(param_groups(model, case), ddp=ddp, overlap=case.overlap,
+                                             grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
+                                             backend=case.backend, param_sync=case.param_sync,
+                                             master_weights=case.master, shard_group=shard_group(case.shard),
+                                             grad_reduce_dtype=case.reduce_dtype)
     if case.dtype == torch.float32:
         ref_params = list(ref_model.parameters())
         ref_opt = getattr(torch.optim, case.opt)(param_groups(ref_model, case), foreach=False)
@@ -131,6 +142,47 @@ def build(case: Case, rank: int):
             g["params"] = [masters[index[id(p)]] for p in g["params"]]
         ref_opt = getattr(torch.optim, case.opt)(groups, foreach=False)
     return model, ddp, opt, ref_model, ref_ddp, ref_opt, masters
+
+
+def compress_hook(dtype: torch.dtype):
+    """DDP's ``bf16_compress_hook`` / ``fp16_compress_hook``, called unchanged. ``register_comm_hook``
+    refuses a hook named ``bf16_compress_hook`` unless NCCL 2.10+ is there, a check by name only: gloo
+    sums bf16 on the CPU, and the hook runs there as written."""
+    hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}[dtype]
+
+    def ddp_compress_hook(state, bucket):
+        return hook(state, bucket)
+    return ddp_compress_hook
+
+
+@contextlib.contextmanager
+def forced_plan(plan: str):
+    """``plan="nccl"``: build the optimizer with NCCL's reduction plan (reduce-scatter in the shard group,
+    all-reduce across replicas) on gloo, whose own plan is one all-reduce (collectives.py)."""
+    from fused_zero.pipeline import collectives
+
+    real = collectives.all_reduce_replaces_reduce_scatter
+    if plan == "nccl":
+        collectives.all_reduce_replaces_reduce_scatter = lambda group, device=None: False
+    try:
+        yield
+    finally:
+        collectives.all_reduce_replaces_reduce_scatter = real
+
+
+def shard_group(spec):
+    """The ``shard_group=`` option a Case names: None, an int, or a ProcessGroup / DeviceMesh of S
+    consecutive ranks made here (a collective of every rank)."""
+    if spec is None or isinstance(spec, int):
+        return spec
+    kind, size = spec.split(":")
+    size, world = int(size), dist.get_world_size()
+    if kind == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", (world // size, size))
+    groups = [dist.new_group(list(range(i, i + size))) for i in range(0, world, size)]
+    return groups[dist.get_rank() // size]
 
 
 def batch(step: int, micro: int, rank: int):
@@ -236,7 +288,10 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         opt._engine.close()
     # layout_changes: how many times the state moved; layout_history: the count after each step
     buckets = len([i for i in opt._engine.registry.by_index if i >= 0])  # DDP's, as the hook saw them
-    return {"worst": worst, "layout_changes": changes[-1], "layout_history": changes, "buckets": buckets}
+    layouts = [(s.layout.numel, s.layout.world_size, s.layout.tail, s.layout.region_size)
+               for s in opt._engine.shards()]  # what this rank holds (test_sharding: 1/S of the state)
+    return {"worst": worst, "layout_changes": changes[-1], "layout_history": changes, "buckets": buckets,
+            "memory": opt.memory(), "layouts": layouts}
 
 
 def _train_step(case, step, rank, lr0, ours, reference, ref_model, masters):
@@ -268,7 +323,7 @@ def _train_step(case, step, rank, lr0, ours, reference, ref_model, masters):
     # the loss shows what the forward read: with param_sync="forward", whether the pre-hooks waited
     if case.dtype == torch.float32:
         ok = loss == ref_loss if case.backend == "torch" and _exact(case, dist.get_world_size()) else \
-            math.isclose(loss, ref_loss, rel_tol=1e-5)
+            math.isclose(loss, ref_loss, rel_tol=1e-5 if case.reduce_dtype is None else 1e-3)
     else:
         ok = math.isclose(loss, ref_loss, rel_tol=1e-2)
     assert ok, f"rank {rank} step {step}: loss {loss!r} != torch.optim's {ref_loss!r}"
@@ -300,13 +355,16 @@ def _reference_step(ref_model, ref_opt, masters, case):
 
 def _exact(case: Case, world: int) -> bool:
     """Whether fp32 parameters must be bit-identical to torch.optim's: torch's ops do the update, at
-    one or two ranks. Beyond, gloo's reduce-scatter adds in another order than its all-reduce, and
-    fused_zero and DDP divide by W at different points, which rounds unless W is a power of two (so
-    all_reduce at four ranks stays exact). Clipping's global norm is summed in another order than
+    one or two ranks. Beyond, a reduce-scatter (NCCL's plan, forced on gloo) adds in another order than
+    DDP's all-reduce; gloo's own plan is an all-reduce of the bucket as DDP's, but fused_zero and DDP
+    divide fp32 sums by W at different points, which rounds unless W is a power of two (so both plans
+    at four ranks stay exact on gloo's). Clipping's global norm is summed in another order than
     clip_grad_norm_'s, so its coefficient may differ in the last bit."""
     if case.backend != "torch" or case.max_grad_norm is not None:
         return False
-    return world <= 2 or (case.grad_reduce == "all_reduce" and world & (world - 1) == 0)
+    # gloo's own plan is DDP's all-reduce (the same tensor, the same group, the same order of sums)
+    same_sums = case.plan == "auto" or case.grad_reduce == "all_reduce"
+    return world <= 2 or (same_sums and world & (world - 1) == 0)
 
 
 BF16_ULPS = 4
@@ -326,10 +384,31 @@ def _compare(model, ref_model, case, step, rank, world=None) -> float:
             _compare_low(a, b, msg, torch.bfloat16)
         elif _exact(case, world):
             assert torch.equal(a, b), f"{msg}: not bit-identical, largest difference {_largest(a, b):.3e}"
+        elif case.reduce_dtype is not None:
+            _compare_reduced(a, b, msg, case, step)
         else:
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m, msg=msg: f"{msg}: {m}")
         worst = max(worst, _largest(a, b))
     return worst
+
+
+REDUCED_ULPS = 2
+"""Largest difference per step, in 16-bit ulps of the update (``_compare_reduced``)."""
+
+
+def _compare_reduced(a: torch.Tensor, b: torch.Tensor, msg: str, case: Case, step: int) -> None:
+    """fp32 parameters whose gradients were reduced in 16 bits, where the sums run in another order than
+    DDP's compression hook (NCCL's plan beyond two ranks: the shard group's sum, then the replicas'). Each
+    partial sum rounds to the 16-bit dtype, so a reduced gradient differs from the hook's by an ulp or
+    two of it, and an update by as much of its size: Adam's step is at most about ``lr`` per element and
+    SGD's ``lr`` times the gradient, so after ``step`` steps the parameters may differ by ``step x lr x
+    REDUCED_ULPS x 2^-bits``, an eighth of one update at twelve steps: a skipped or doubled step (one
+    whole update) still fails."""
+    bits = 1 - int(math.log2(torch.finfo(case.reduce_dtype).eps))
+    lr = DEFAULT_HPARAMS[case.opt]["lr"] * (1.5 if case.scheduler else 1.0)
+    bound = step * lr * REDUCED_ULPS * 2.0 ** -bits
+    worst = _largest(a, b)
+    assert worst <= bound, f"{msg}: {worst:.3e} from torch.optim + DDP's compression hook (at most {bound:.3e})"
 
 
 def _largest(a: torch.Tensor, b: torch.Tensor) -> float:

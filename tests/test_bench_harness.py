@@ -3,6 +3,7 @@ spawn fails every test of its world at once instead of spawning again, and a sys
 any rank is reported with every rank's traceback."""
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,3 +43,24 @@ def test_every_ranks_errors_are_reported(bench):
                      {"errors": {"fused_zero-bucket": "Traceback: only on rank 1"}, "systems": {}}]}
     with pytest.raises(pytest.fail.Exception, match=r"(?s)rank 1.*only on rank 1"):
         bench._system_info(res, "fused_zero-bucket")
+
+
+def test_scale_model_follows_the_layout():
+    """bench/scale_model.py (the tables of docs/performance.md): its state per rank is the layout's
+    regions, 1/S of DDP + AdamW's plus the tails; the bytes follow the ring formulas."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "scale_model.py"
+    spec = importlib.util.spec_from_file_location("scale_model_under_test", path)
+    sm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sm  # its dataclass looks its module up there
+    spec.loader.exec_module(sm)
+    buckets = sm.ddp_buckets(sm.build("GPT-2 small"))
+    params = sum(sum(b) for b in buckets)
+    assert params == 124_439_808  # GPT-2 small with its tied embedding
+    ddp, flat, shard = (sm.row("GPT-2 small", buckets, 64, c) for c in ("ddp", "flat", "shard8"))
+    assert ddp["state_bytes"] == 12 * params
+    for r, s in ((flat, 64), (shard, 8)):
+        assert params / s * 12 <= r["state_bytes"] <= (params / s + len(buckets) * s * 32) * 12
+    ring = 2 * 63 / 64 * 2 * params  # DDP: an all-reduce of 2-byte gradients over 64 ranks
+    assert ddp["nvl_bytes"] + ddp["ib_bytes"] == pytest.approx(ring)
+    assert ddp["ib_bytes"] == pytest.approx(ring / 8)
+    assert shard["ib_bytes"] == pytest.approx(2 * 7 / 8 * 2 * params / 8, rel=1e-3)  # slices across 8 nodes

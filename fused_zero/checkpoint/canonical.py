@@ -15,7 +15,10 @@ weights, without which a resumed run restarts from rounded weights and drifts. t
 
 The dict is assembled on the calling rank, one slice at a time (``StateDictBuilder``): its own slices and
 the replicated tail from its regions, every other rank's slices as that rank's server sends them
-(serving.py). The layout module says where each element lives; this module only walks its pieces.
+(serving.py). The layout module says where each element lives; this module only walks its pieces. With
+shard groups (pipeline/topology.py) every shard group holds the whole state: a dict is built from the
+requester's own shard group, and a load fills each rank's region from the dict with no collective,
+whatever the sharding it was saved at.
 """
 
 from __future__ import annotations
@@ -127,9 +130,9 @@ class StateDictBuilder:
 
     def local(self) -> StateDictBuilder:
         """This rank's own slices and the replicated tails (every rank holds them)."""
-        rank = self.engine.rank
         for shard in self.engine.shards():
             layout = shard.layout
+            rank = layout.rank  # within the shard group
             mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
             for name in shard.state:
                 region = shard.values(name)  # decoded to fp32 where the moments are stored compact
@@ -169,8 +172,9 @@ def local_entry(engine, pid: int) -> dict:
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
     shard, local = engine.registry.where[pid]
-    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, engine.rank)
-            if owner in (engine.rank, REPLICATED)]
+    me = shard.layout.rank
+    runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
+            if owner in (me, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":
         entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)

@@ -183,7 +183,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         filled = {name: shard.state["master"] if name == "master" else
                   torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
                   for name in shard.state}
-        for piece in shard.layout.pieces(engine.rank):
+        for piece in shard.layout.pieces(shard.layout.rank):
             pid = shard.layout.pids[piece.local]
             saved = entries[pid]
             for name, region in filled.items():

@@ -112,11 +112,14 @@ class CheckpointPeers:
                                       "the state is served as it is after a step; " + USAGE)
         if self.server is None:
             return make_builder().local().result()
+        topo = e.topology
         if to is not None and to != e.rank:
+            if topo.position(to)[0] != topo.replica:
+                return None  # rank ``to`` builds its dict from its own shard group (pipeline/topology.py)
             self._await_served(to)
             return None
         k = next(self.server.requests)
-        others = [r for r in range(e.world) if r != e.rank]
+        others = [r for r in topo.shards[topo.replica] if r != e.rank]  # the ranks holding the other slices
         try:
             self._post(others, {"kind": "announce", "number": self.number, "version": self.version, "to": to,
                                 "k": k})
@@ -171,7 +174,7 @@ class CheckpointPeers:
                     while pending:
                         work, buf, shard, name = pending.popleft()
                         ch.wait(work, buf, src, "receiving optimizer state from", deadline)
-                        builder.add(shard, name, src * shard.layout.shard, buf)
+                        builder.add(shard, name, e.topology.position(src)[1] * shard.layout.shard, buf)
         except ChannelError as err:
             raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}. Keep every rank alive until "
                                       "optimizer.state_dict() has returned (any collective after it, e.g. a "
@@ -248,7 +251,7 @@ class CheckpointPeers:
         readable by gloo: on the CPU the region's own elements where stored in fp32; on CUDA a host copy
         made on this thread's own stream once the last published step's updates are done (module
         docstring, GPU), the decoding included."""
-        lo, _ = shard.layout.region_slice(self.engine.rank)
+        lo, _ = shard.layout.region_slice(shard.layout.rank)
         device = shard.state[name].device
         if device.type == "cpu":
             return shard.values(name)[lo:lo + shard.layout.shard].contiguous()

@@ -11,6 +11,11 @@ every rank's runs, so the global metadata is built locally, with no collective. 
 on load each rank asks for its own runs in the new layout and DCP reads them from whichever saved
 chunks overlap. The tail, held by every rank, is read by rank 0 and broadcast.
 
+With shard groups (pipeline/topology.py) each ShardedTensor lives on this rank's shard group, which
+tiles the parameter by itself; the replicas write the same chunks (the same offsets), which DCP's save
+planner keeps once (``dedup_save_plans``), and each rank of every replica reads its own runs on load.
+So a checkpoint saved at one sharding (2 replicas of 2, say) loads at any other (4 x 1, 1 x 4).
+
 The local chunks are copies, not views of the live state: ``dcp.load`` writes into them, and the
 optimizer changes only in ``load_sharded_state_dict``, once every check passed on every rank. Saving
 thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
@@ -69,10 +74,13 @@ def sharded_state_dict(engine) -> dict:
     engine.synchronize()
     index = canonical.param_index(engine.opt)
     state, decoded = {}, {}
+    topo = engine.topology
+    placed = topo.global_ranks[topo.replica]  # the global rank of each member of this shard group
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
-        runs = shard.layout.owners(local, engine.rank)
-        metas = [ShardMetadata([lo], [hi - lo], f"rank:{_owner(owner)}/{engine.device}")
+        me = shard.layout.rank
+        runs = shard.layout.owners(local, me)
+        metas = [ShardMetadata([lo], [hi - lo], f"rank:{placed[_owner(owner)]}/{engine.device}")
                  for lo, hi, owner, _ in runs]
         entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
         if id(shard) not in decoded:
@@ -81,10 +89,10 @@ def sharded_state_dict(engine) -> dict:
             live = region is shard.state[name]  # fp32: copies; decoded: views of the decoded copy
             local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone() if live else
                                   region[off:off + m.shard_sizes[0]], m)
-                            for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == engine.rank]
+                            for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == me]
             md = ShardedTensorMetadata(metas, torch.Size([p.numel()]), TensorProperties(dtype=torch.float32))
             entry[_state_key(name)] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                local_shards, md, process_group=engine.group)
+                local_shards, md, process_group=topo.shard_group)
         state[index[id(p)]] = entry
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
     return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), _describe(engine))}
@@ -138,8 +146,9 @@ def _check(engine, sd):
         for name in shard.state:
             st = entry[_state_key(name)]
             by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
-            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc, engine.rank)
-                         if _owner(owner) == engine.rank]
+            me = shard.layout.rank
+            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc, me)
+                         if _owner(owner) == me]
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
@@ -167,22 +176,23 @@ def _apply(engine, groups, values) -> None:
     for shard in engine.shards():
         names = list(shard.state)
         regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
+        me = shard.layout.rank
         for local, pid in enumerate(shard.layout.pids):
             saved = values[pid]
             pos = 0
-            for lo, hi, owner, off in shard.layout.owners(local, engine.rank):
-                if _owner(owner) != engine.rank:
+            for lo, hi, owner, off in shard.layout.owners(local, me):
+                if _owner(owner) != me:
                     continue
                 for name in names:
                     regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo
             engine.steps[pid] = float(saved["step"])
         layout = shard.layout
-        if layout.tail and engine.world > 1 and names:
-            tail = torch.stack([regions[n][slice(*layout.region_tail(engine.rank))] for n in names])
-            collectives.broadcast(tail, 0, engine.group)
+        if layout.tail and layout.world_size > 1 and names:
+            tail = torch.stack([regions[n][slice(*layout.region_tail(me))] for n in names])
+            collectives.broadcast(tail, 0, engine.topology.shard_group)
             for f, n in enumerate(names):
-                regions[n][slice(*layout.region_tail(engine.rank))].copy_(tail[f])
+                regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
             if regions[name] is not shard.state[name]:
                 shard.store_values(name, regions[name])

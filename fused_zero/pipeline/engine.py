@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..kernels import Segments
 from ..options import ShardingOptions, collect_params
@@ -35,6 +34,7 @@ from .shard import BucketShard
 from .step_counts import StepCounts
 from .step_policy import StepPolicy
 from .streams import SideStream
+from .topology import Topology
 from .updates import Updates
 
 
@@ -53,6 +53,8 @@ class _Iteration:
         found_inf: one-element device flag, non-zero once an update of this iteration was skipped
             (non-finite gradients on some rank, or a user's edit to ``.grad`` that cannot be honored).
         edited: a user's edit to ``.grad`` (``overlap="step"``: this rank's, then any rank's on CPU).
+        staging: the buckets' copies in ``grad_reduce_dtype``, kept alive until ``step()`` has made the
+            compute stream (which allocated them) wait for the side stream and the reductions using them.
     """
 
     hparams: list[dict] | None = None
@@ -63,6 +65,7 @@ class _Iteration:
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     edited: bool = False
+    staging: list = field(default_factory=list)
 
 
 class Engine:
@@ -99,16 +102,15 @@ class Engine:
         self.on_nonfinite = self.options.on_nonfinite
         scaler = self.options.grad_scaler
         self.scaler = ScalerLink(scaler, optimizer) if scaler is not None else None
-        self.group = ddp.process_group
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-
         self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
         self.options.check_params(self.params)
         self.pid_of = {p: i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         hooks.check_no_comm_hook(ddp)
+        topo = self.topology = Topology.build(ddp.process_group, self.options.shard_group, self.device)
+        self.group, self.world, self.rank = topo.group, topo.world, topo.rank
+        topo.check_reduce_dtype(self.options.grad_reduce_dtype, self.device)
         self.step_counts = StepCounts(len(self.params))
         self.side = SideStream(self.device)
         self.iteration = _Iteration()
@@ -119,9 +121,8 @@ class Engine:
         self.grad_sumsq: torch.Tensor | None = None
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
-            upload=self.side.upload if self.backend == "triton" else None, device=self.device, group=self.group,
-            state_format=self.options.state_format,
-            world=self.world, rank=self.rank)
+            upload=self.side.upload if self.backend == "triton" else None, device=self.device, topology=topo,
+            state_format=self.options.state_format)
 
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
@@ -188,15 +189,16 @@ class Engine:
             if self.overlap == "step" and self.iteration.ready:
                 raise RuntimeError("a synced backward ran twice without optimizer.step() in between; "
                                    "with overlap='step' accumulate gradients under ddp.no_sync()")
-            self.iteration = _Iteration()
+            previous, self.iteration = self.iteration, _Iteration()  # noqa: F841 (alive until the join)
         it = self.iteration
         if it.hparams is None:
-            self._start_iteration(it)
+            self._start_iteration(it)  # joins the side stream: the previous iteration's copies may go
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
         with range_push("fused_zero.reduce"):
             reduced = self.reduction.start(shard, buffer)
-        shard.reduced_buffer = buffer
+        shard.reduced_buffer = reduced.grad  # a staging copy lives until step() joins the side stream:
+        it.staging += [reduced.grad] if reduced.grad is not buffer else []
         it.ready.append(reduced)
         it.invoked += 1
         it.last_invoked = bucket.is_last()
@@ -211,7 +213,7 @@ class Engine:
             self.updates.finish(it, len(it.ready) - keep, each_bucket=True)
         elif self.overlap == "backward" and it.last_invoked:
             self.updates.finish(it, len(it.ready), self.max_grad_norm)
-        return self.reduction.future(reduced, buffer)
+        return self.reduction.future(reduced)
 
     def _start_iteration(self, it: _Iteration) -> None:
         """The first bucket of a synced backward, before any of its collectives."""

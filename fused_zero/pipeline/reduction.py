@@ -32,69 +32,101 @@ class UsedFlags:
 
 @dataclass
 class Reduced:
-    """A bucket whose reduction has been started: its shard, the parameters that got a gradient (known
-    on the host, or being all-reduced) and the Works to wait for."""
+    """A bucket whose reduction has been started.
+
+    Attributes:
+        shard: the bucket's shard.
+        active: the parameters that got a gradient (known on the host, or being all-reduced).
+        works: the Works to wait for before the update.
+        grad: what the update reads, indexed like the bucket: DDP's buffer, reduced in place, or its
+            copy in ``grad_reduce_dtype`` (the staging copy, as ``bf16_compress_hook`` makes one).
+        bucket: DDP's buffer.
+        future_work: the Work whose Future DDP is handed (None: a completed Future).
+    """
 
     shard: BucketShard
     active: np.ndarray | UsedFlags
     works: list
+    grad: torch.Tensor
+    bucket: torch.Tensor
+    future_work: object | None = None
 
 
 class Reduction:
     """Attributes:
+        topology: the groups (pipeline/topology.py).
         track_used: whether DDP may leave parameters without a gradient (find_unused_parameters or
             static_graph), so that which ones got one must be learned.
         used_local: per parameter, whether this rank produced a gradient in this iteration (written by
             hooks.MarkUsed).
         used_static: with static_graph, the global used map once the first iteration made it known.
+        reduce_dtype: ``grad_reduce_dtype``: the dtype fp32 gradients travel in, or None.
+        one_all_reduce: the bucket is reduced by one in-place all-reduce over DDP's group (``all_reduce``;
+            one rank per shard group; gloo, whose reduce-scatter is an all-reduce of a clone, see
+            collectives.all_reduce_replaces_reduce_scatter) instead of a reduce-scatter in the shard group.
         grad_div: what the kernel divides each parameter's reduced gradient by (1 where the reduction
             averaged already).
     """
 
     def __init__(self, engine, ddp):
         self.engine = engine
-        self.group, self.world, self.rank = engine.group, engine.world, engine.rank
+        topo = self.topology = engine.topology
+        self.group, self.world, self.rank = topo.group, topo.world, topo.rank
         self.grad_reduce = engine.grad_reduce
+        self.reduce_dtype = engine.options.grad_reduce_dtype
         n = len(engine.params)
         self.track_used = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.static_graph = bool(getattr(ddp, "static_graph", False))
         self.used_local = np.zeros(n, dtype=bool)
         self.used_static: np.ndarray | None = None
         self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) else float(self.world) for p in engine.params])
-        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(self.group)
-
+        self.one_all_reduce = self.grad_reduce == "all_reduce" or topo.shard_size == 1 or \
+            collectives.all_reduce_replaces_reduce_scatter(self.group, engine.device)
+        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group)
 
     @property
     def side(self):
         """The engine's side stream (read each time: tests swap in a recording one)."""
         return self.engine.side
+
+    def travel_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduced in: ``grad_reduce_dtype`` for fp32 ones."""
+        return self.reduce_dtype if self.reduce_dtype is not None and dtype == torch.float32 else dtype
+
     def pre_divides(self, dtype: torch.dtype) -> bool:
         """Divide before summing, as DDP does, wherever rounding or range make it matter: for all-reduce
-        (so param.grad is DDP's average) and for low-precision gradients (DDP's rounding, and no fp16
-        overflow). fp32 reduce-scatter sums leave the division to the kernel: a pass over the bucket
-        saved."""
-        return self.grad_reduce == "all_reduce" or dtype != torch.float32
+        (so param.grad is DDP's average) and for gradients reduced in 16 bits (DDP's rounding, and its
+        compression hooks': cast, then divide, then sum; no fp16 overflow). fp32 reduce-scatter sums
+        leave the division to the kernel: a pass over the bucket saved."""
+        return self.grad_reduce == "all_reduce" or self.travel_dtype(dtype) != torch.float32
 
     def start(self, shard: BucketShard, buffer: torch.Tensor) -> Reduced:
         """Start the bucket's reduction and learn which of its parameters are active."""
         active, works = self._active(shard)
-        works += self._reduce(shard, buffer)
-        return Reduced(shard, active, works)
+        grad, reduce_works, future_work = self._reduce(shard, buffer)
+        return Reduced(shard, active, works + reduce_works, grad, buffer, future_work)
 
-    def future(self, reduced: Reduced, buffer: torch.Tensor) -> torch.futures.Future:
-        """What the comm hook hands DDP: the bucket's last reduction's future wherever the backend has
-        one, so that DDP's ``finalize_backward`` waits for it (a stream wait on CUDA) before it reads
-        the bucket (copying it into ``param.grad`` without ``gradient_as_bucket_view``) and before the
-        backward returns: nothing reads or writes the bucket while the reduction still writes it in
-        place. With ``all_reduce`` that is DDP's own contract (``param.grad`` is the average); with
-        ``reduce_scatter`` only this rank's slice and the tail are reduced. gloo's reduce-scatter has
-        no future; there the future is complete, and DDP's copy into ``param.grad`` (only without
-        ``gradient_as_bucket_view``) may race the gloo thread on the slice it writes, which no update
-        reads through ``param.grad`` in that mode. Its callback only hands the buffer back: it issues
-        nothing (every collective is issued from the hook, see engine.py)."""
-        if reduced.works and (self.grad_reduce == "all_reduce" or self.rs_future):
-            return reduced.works[-1].get_future().then(lambda _: buffer)
-        return reduced.shard.completed(buffer)
+    def future(self, reduced: Reduced) -> torch.futures.Future:
+        """What the comm hook hands DDP: the reduction's future wherever the backend has one, so that
+        DDP's ``finalize_backward`` waits for it (a stream wait on CUDA) before it reads the bucket
+        (copying it into ``param.grad`` without ``gradient_as_bucket_view``) and before the backward
+        returns: nothing reads or writes the bucket while the reduction still writes it in place.
+
+        With ``all_reduce`` that is DDP's own contract (``param.grad`` is the average); reduced in
+        ``grad_reduce_dtype``, the future then copies the reduced copy back into the bucket, as DDP's
+        compression hooks do. With ``reduce_scatter`` only this rank's slice and the tail are reduced,
+        or the whole bucket where one all-reduce does it (gloo). Only a reduce-scatter without a future
+        (gloo's, where it runs: never by default) leaves a completed future, and DDP's copy into
+        ``param.grad`` may then race the gloo thread on the slice it writes, which no update reads
+        through ``param.grad`` in that mode. The callbacks only copy or hand the buffer back: they
+        issue nothing (every collective is issued from the hook, see engine.py)."""
+        buffer, work = reduced.bucket, reduced.future_work
+        if work is None:
+            return reduced.shard.completed(buffer)
+        if self.grad_reduce == "all_reduce" and reduced.grad is not buffer:
+            grad = reduced.grad
+            return work.get_future().then(lambda _: buffer.copy_(grad))
+        return work.get_future().then(lambda _: buffer)
 
     def _active(self, shard: BucketShard) -> tuple[np.ndarray | UsedFlags, list]:
         """Which of the bucket's parameters got a gradient on some rank, and the Works to wait for
@@ -111,30 +143,57 @@ class Reduction:
             works = [collectives.all_reduce(table[1], self.group)] if self.world > 1 else []
         return UsedFlags(table), works
 
-    def _reduce(self, shard: BucketShard, buffer: torch.Tensor) -> list:
-        """Start this bucket's reduction, in place in DDP's buffer; return its Works.
+    def _reduce(self, shard: BucketShard, buffer: torch.Tensor) -> tuple[torch.Tensor, list, object | None]:
+        """Start this bucket's reduction; return what the update will read, the Works, and the Work whose
+        future DDP gets.
 
-        reduce_scatter: the head is reduce-scattered into this rank's own slice of it (the output is
-        a chunk of the input, as Megatron-core does; gloo and NCCL accept it) and the tail is
-        all-reduced where it is, so the kernel reads the reduced gradient from the bucket buffer and
-        no gradient copy exists. The other ranks' slices are left holding this rank's local
-        (pre-divided) gradients: ``param.grad`` is not the global gradient in this mode.
+        In ``grad_reduce_dtype`` the bucket is first cast to that dtype and divided by W there, which is
+        what ``bf16_compress_hook`` does (``buffer.to(bfloat16).div_(W)``): the rounding to 16 bits comes
+        before the division, the division rounds again, and so does every addition of the sum; the
+        update reads the 16-bit sums into fp32. Then, in place in that copy or in DDP's buffer:
+
+        - one all-reduce of the bucket over DDP's group (``one_all_reduce``), this rank's slice and the
+          tail read from it;
+        - or the head reduce-scattered within the shard group into this rank's own slice of it (the
+          output a chunk of the input, as Megatron-core does; gloo and NCCL accept it) and the tail
+          all-reduced over DDP's group where it lies; with replicas (R > 1), the slice is then
+          all-reduced across them, issued from the side stream once it has waited for the
+          reduce-scatter (a stream wait on CUDA; on the CPU, where this plan runs only in tests, a
+          host wait in the hook). The other ranks' slices keep this rank's local gradients:
+          ``param.grad`` is not the global gradient in this mode.
         """
         if self.world == 1:
-            return []
-        layout, g = shard.layout, self.group
+            return buffer, [], None
+        layout, topo = shard.layout, self.topology
+        travel = self.travel_dtype(buffer.dtype)
+        grad = buffer if travel == buffer.dtype else buffer.to(travel)
         if self.pre_divides(buffer.dtype):
-            buffer.div_(self.world)
+            grad.div_(self.world)
+        if self.one_all_reduce:
+            work = collectives.all_reduce(grad, self.group)
+            return grad, [work], work
         works = []
-        if self.grad_reduce == "all_reduce":
-            works.append(collectives.all_reduce(buffer, g))
-        else:
-            if layout.tail:
-                works.append(collectives.all_reduce(buffer[layout.head:], g))
-            if layout.shard:
-                lo, hi = layout.slice_of(self.rank)
-                works.append(collectives.reduce_scatter(buffer[lo:hi], buffer[:layout.head], g))
-        return works
+        if layout.tail:
+            works.append(collectives.all_reduce(grad[layout.head:], self.group))
+        if not layout.shard:
+            return grad, works, works[-1] if works else None
+        lo, hi = layout.slice_of(layout.rank)
+        works.append(collectives.reduce_scatter(grad[lo:hi], grad[:layout.head], topo.shard_group))
+        if topo.replicas == 1:
+            return grad, works, works[-1] if self.rs_future else None
+        across = self._across_replicas(works, grad[lo:hi])
+        # the stage-1 Works are not waited for again: gloo's reduce-scatter copies its result into the
+        # output at each wait(), which would overwrite the sum across replicas
+        return grad, [across], across
+
+    def _across_replicas(self, works: list, piece: torch.Tensor):
+        """All-reduce this rank's reduced slice across the replicas, from the side stream once it has
+        waited for the shard group's reduction (NCCL's communicator of another group does not follow
+        it by itself)."""
+        with self.side.run(follow_current=False):
+            for w in works:
+                w.wait()
+            return collectives.all_reduce(piece, self.topology.replica_group)
 
     def end_step(self) -> None:
         """After ``step()``: with static_graph the first iteration's used map is made global once (a host

@@ -6,8 +6,9 @@ dtype): what DDP hands the comm hook in its first iteration. When the hook sees 
 parameters or offsets differ from what is held (DDP rebuilds its buckets after the first iteration, the
 second with ``static_graph=True``), the registry builds the new ``BucketLayout``, computes with
 ``reshard_plan`` which elements of which old regions fill every rank's new region, and moves them in one
-``all_to_all_single``. All ranks see the same buckets, so they compute the same plan with no extra
-message. Nothing here knows about iterations, overlap modes or the update.
+``all_to_all_single`` within the shard group (every shard group holds the same state, and moves it
+the same way). All ranks see the same buckets, so they compute the same plan with no extra message.
+Nothing here knows about iterations, overlap modes or the update.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ class ShardRegistry:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 upload, device: torch.device, group, world: int, state_format: str = "fp32",
-                 rank: int):
+                 upload, device: torch.device, topology, state_format: str = "fp32"):
         self.params = params
         self.state_names = state_names
         self.keeps_master = keeps_master
         self.upload = upload  # the kernels' row tables to the device (Triton backend), or None
         self.state_format = state_format
         self.device = device
-        self.group, self.world, self.rank = group, world, rank
+        # the shard group's (topology.py), and which rows count towards global sums (BucketShard.norm_rows)
+        self.group, self.world, self.rank = topology.shard_group, topology.shard_size, topology.shard_rank
+        self.counts = (topology.counts_slice, topology.counts_tail)
         self.where: dict[int, tuple[BucketShard, int]] = {}
         self.by_index: dict[int, BucketShard] = {}
         self.layout_changes = 0
@@ -135,7 +137,7 @@ class ShardRegistry:
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
             master=self.keeps_master(dtype), device=self.device,
-            dtype=dtype, state_format=self.state_format, upload=self.upload)
+            dtype=dtype, state_format=self.state_format, upload=self.upload, counts=self.counts)
 
     def _move_state(self, new: BucketShard) -> None:
         """Fill ``new``'s region with the state its parameters had, in one all_to_all: decoded to fp32

@@ -30,15 +30,17 @@ class BucketShard:
         scales: 8-bit moments' fp32 scales, one per row of the kernel table (``table``); else empty.
         rows: host kernel pieces; ``table`` their host row table (kernels.row_table); ``segments`` the
             same on the device (Triton backend only).
-        norm_rows / norm_segments: the rows whose gradients count towards the global norm: the
-            replicated tail is counted on rank 0 only.
+        norm_rows / norm_segments: the rows whose gradients count towards the global norm and the
+            non-finite count: each element once over DDP's group, so the slice on the first replica only
+            and the replicated tail on one rank (``counts``, from pipeline/topology.py).
         gather: the pending all-gather's Work, or None.
-        reduced_buffer: this iteration's reduced DDP buffer, from the reduction to the update.
+        reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
+            or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
                  master: bool, device: torch.device, dtype: torch.dtype, state_format: str = "fp32",
-                 upload=None):
+                 upload=None, counts: tuple[bool, bool] | None = None):
         self.layout = layout
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
@@ -55,13 +57,14 @@ class BucketShard:
         self.table = row_table(self.rows)
         self.scales = {name: torch.zeros(self.table.shape[0], dtype=torch.float32, device=device)
                        for name in state_names} if moments == torch.uint8 else {}
+        counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
-        self.norm_rows = [r for r in self.rows if r[0] < tail_at or layout.rank == 0]
+        self.norm_rows = [r for r in self.rows if (counts_slice if r[0] < tail_at else counts_tail)]
         self.segments = Segments.build(self.rows, upload=upload) if upload is not None else None
         self.norm_segments = Segments.build(self.norm_rows, upload=upload) if upload is not None else None
         self.gather: dist.Work | None = None
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
-        self.reduced_buffer: torch.Tensor | None = None  # DDP's buffer, kept until the step has run
+        self.reduced_buffer: torch.Tensor | None = None  # kept until the step has run
 
     def bind_params(self) -> None:
         """Copy the parameters' current values into the flat buffer and make them views of it, each

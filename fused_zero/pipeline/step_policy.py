@@ -61,7 +61,9 @@ class StepPolicy:
         """Make the reduced buckets hold the user's edited ``param.grad`` (with gradient_as_bucket_view
         the edit is there already, unless ``.grad`` was replaced by another tensor)."""
         e = self.engine
-        buffers = {id(item.shard): item.shard.reduced_buffer for item in e.iteration.ready}
+        for item in e.iteration.ready:  # reduced in grad_reduce_dtype: DDP's buffer holds the copied-back
+            item.shard.reduced_buffer = item.bucket  # average, the fp32 values param.grad views
+        buffers = {id(item.shard): item.bucket for item in e.iteration.ready}
         for pid in pids:
             shard, local = e.registry.where[pid]
             g = e.params[pid].grad

@@ -174,10 +174,11 @@ class Updates:
         return found, clip
 
     def _start_gather(self, shard: BucketShard) -> None:
+        """The updated slices of the shard group back into every member's parameter buffer, in place."""
         layout = shard.layout
-        if self.world == 1 or layout.shard == 0:
+        if layout.world_size == 1 or layout.shard == 0:
             return
-        lo, hi = layout.slice_of(self.rank)
+        lo, hi = layout.slice_of(layout.rank)
         with range_push("fused_zero.all_gather"):
             shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
-                                                  self.group)
+                                                  self.engine.topology.shard_group)

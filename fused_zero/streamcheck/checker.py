@@ -54,6 +54,7 @@ class StreamChecker:
         self.host = self.clocks.stream("host", frees_checked=False)
         self.current = self.compute
         self.comm: dict[int, int] = {}
+        self.callbacks: int | None = None  # the stream future callbacks run on (device._ModeledFuture)
         self.syncs: list[tuple[str, str, str, bool]] = []
         self.phase = ""
         self._paused = 0
@@ -88,6 +89,8 @@ class StreamChecker:
                                     ("gather", (0,), (1,)), ("broadcast", (0,), (0,))):
             self._patch(collectives, name, self._collective(getattr(collectives, name), reads, writes))
         self._patch(collectives, "reduce_scatter_has_future", lambda group: True)  # NCCL's has one
+        # NCCL's plan: the reduce-scatter (gloo's all-reduce in its place is for gloo's own threads)
+        self._patch(collectives, "all_reduce_replaces_reduce_scatter", lambda group, device=None: False)
         from_numpy = torch.from_numpy  # no __torch_function__ of its own: seen here instead
 
         def host_from_numpy(array):

@@ -122,10 +122,11 @@ class ModeledWork:
         self.checker.clocks.merge(self.checker.current, self.vc)
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> _ModeledFuture:
         """The Work's future, waited for by DDP at the end of the backward (``finalize_backward``): the
         stream that finishes the backward is ordered after the collective then. gloo's reduce-scatter
-        has no future; NCCL's has, so one is made here from the finished Work."""
+        has no future; NCCL's has, so one is made here from the finished Work. Its ``then`` callbacks
+        run as a CUDA future runs them: on a stream ordered after the collective (see _ModeledFuture)."""
         checker = self.checker
         with checker.paused():
             try:
@@ -134,6 +135,33 @@ class ModeledWork:
                 self.work.wait()
                 fut = torch.futures.Future()
                 fut.set_result(self.outputs)
+        return _ModeledFuture(self, fut)
+
+
+class _ModeledFuture:
+    """A Work's future as CUDA runs it: ``then(fn)`` runs ``fn`` once the collective is done, on a stream
+    that waits for it (a CUDA future's callbacks run on streams synchronized with its events), and the
+    future it returns, when DDP waits for it at the end of the backward, orders the compute stream after
+    that stream. Here ``fn`` runs at once, on the checker's "future callbacks" stream."""
+
+    def __init__(self, work: ModeledWork, fut: torch.futures.Future):
+        self.work, self.fut = work, fut
+
+    def then(self, fn) -> torch.futures.Future:
+        checker = self.work.checker
+        with checker.paused():
+            self.fut.wait()
+        sid = checker.clocks.stream("future callbacks") if checker.callbacks is None else checker.callbacks
+        checker.callbacks = sid
+        checker.clocks.merge(sid, self.work.vc)
+        before, checker.current = checker.current, sid
+        try:
+            value = fn(self.fut)
+        finally:
+            checker.current = before
+        done = checker.clocks.snapshot(sid)
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: checker.clocks.merge(checker.current, self.vc))
-        return fut
+            lambda: checker.clocks.merge(checker.current, done))
+        out = torch.futures.Future()
+        out.set_result(value)
+        return out

@@ -13,6 +13,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 from fused_zero.kernels import Segments, adam_coefficients, adam_step
@@ -76,7 +77,7 @@ def check_find_unused_issues_no_blocking_collective(rank, world):
     """d: with find_unused_parameters, the hook all-reduces the used flags asynchronously (a blocking
     all-reduce is a host sync on CUDA, per bucket), and the step counts still follow torch.optim's."""
     calls, in_hook = [], []
-    real, real_hook = fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket
+    real, real_hook = dist.all_reduce, Engine.on_bucket
 
     def recording(*args, **kw):
         if in_hook:  # construction's own collectives (attach's agreement) are not the hook's
@@ -90,11 +91,11 @@ def check_find_unused_issues_no_blocking_collective(rank, world):
         finally:
             in_hook.pop()
 
-    fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket = recording, hook
+    dist.all_reduce, Engine.on_bucket = recording, hook
     try:
         out = run_case(Case(graph="find_unused", bucket_cap_mb=0.0001, steps=6), rank, world)
     finally:
-        fused_zero.pipeline.engine.dist.all_reduce, Engine.on_bucket = real, real_hook
+        dist.all_reduce, Engine.on_bucket = real, real_hook
     assert calls, "no all-reduce of the used flags was issued"
     assert all(calls), f"{calls.count(False)} of {len(calls)} all-reduces from the hook block the host"
     assert out["worst"] < 1e-4, out

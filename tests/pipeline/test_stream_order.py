@@ -10,6 +10,10 @@ another stream's use of it is not ordered before that stream.
   ``clip_grad_norm_`` where they are honored (step + all_reduce), and a checkpoint save and load (both
   forms) between steps; and 8-bit moments in every overlap mode x both reductions. Zero hazards, and
   in the steady state no host synchronization but one event wait per iteration (the step counts, step_counts.py).
+- Shard groups of 2 at four ranks and gradients reduced in bf16 (flat and sharded), every overlap mode x
+  both reductions (``sharded_configs``): zero hazards too. Removing the side stream's wait for the
+  reduce-scatter before the all-reduce across replicas is named, and so is a bf16 staging copy freed
+  before ``step()`` joins the side stream.
 - Each ordering fix of the CUDA path, reverted, is named by the checker (the defect and its line):
   the skip counter and the GradScaler's found-inf flag written on the compute stream before it joins
   the side stream, and the found-inf flag zero-filled on the compute stream after the first reduction
@@ -18,6 +22,7 @@ another stream's use of it is not ordered before that stream.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import traceback
 
@@ -29,6 +34,7 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.pipeline import collectives
 from fused_zero.pipeline import engine as engine_module
 from fused_zero.pipeline import hooks as hooks_module
 from fused_zero.pipeline import streams as streams_module
@@ -66,7 +72,8 @@ def train(rank, cfg, checker, steps=STEPS):
     edits = cfg["overlap"] == "step" and cfg["grad_reduce"] == "all_reduce"  # where param.grad edits count
     opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, lr=1e-2, overlap=cfg["overlap"],
                            grad_reduce=cfg["grad_reduce"], param_sync=cfg["param_sync"], grad_scaler=scaler,
-                           backend=cfg.get("backend", "auto"), state_format=cfg.get("state_format", "fp32"))
+                           backend=cfg.get("backend", "auto"), state_format=cfg.get("state_format", "fp32"),
+                           shard_group=cfg.get("shard"), grad_reduce_dtype=cfg.get("reduce_dtype"))
     try:
         for step in range(1, steps + 1):
             checker.phase = f"step {step}"
@@ -137,6 +144,41 @@ def test_no_stream_order_hazard_in_any_configuration(matrix):
             f"{cfg}:\n{what}" for cfg, what in list(failures.items())[:3])
 
 
+def sharded_configs():
+    """Shard groups of 2 at four ranks (NCCL's plan: the reduce-scatter in the group, the slice
+    all-reduced across replicas from the side stream) and gradients reduced in bf16 (a staging copy made
+    on the compute stream, read by the reductions and the update, copied back in the all-reduce's
+    future with ``all_reduce``), flat and in shard groups, in every overlap mode x both reductions;
+    the GradScaler and ``find_unused_parameters`` on in some."""
+    out = []
+    for (overlap, reduce), (shard, dtype) in itertools.product(
+            itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")),
+            ((2, None), (2, torch.bfloat16), (None, torch.bfloat16))):
+        scaler = overlap != "bucket" and dtype is None
+        out.append(dict(overlap=overlap, grad_reduce=reduce, scaler=scaler, param_sync="forward" if scaler else "step",
+                        find_unused=overlap == "bucket" and shard is None, shard=shard, reduce_dtype=dtype))
+    return out
+
+
+def check_sharded(rank, world):
+    failures = {}
+    for cfg in sharded_configs():
+        try:
+            found = check_config(rank, cfg)
+        except Exception:
+            found = traceback.format_exc()
+        if found:
+            failures[str(cfg)] = found
+    return failures
+
+
+def test_no_stream_order_hazard_with_shard_groups_and_bf16_reduction():
+    assert len(sharded_configs()) == 18
+    for rank, failures in enumerate(run_ranks(check_sharded, 4)):
+        assert not failures, f"rank {rank}, {len(failures)} of 18 configurations:\n" + "\n\n".join(
+            f"{cfg}:\n{what}" for cfg, what in list(failures.items())[:3])
+
+
 # ---------------------------------------------------------------------- the fixes, reverted
 
 
@@ -203,6 +245,24 @@ def _ring_reusing_a_busy_buffer(self, table):
     return ring[0]
 
 
+class _ForgetfulList(list):
+    def __iadd__(self, other):
+        return self
+
+
+@dataclasses.dataclass
+class _IterationKeepingNoCopy(engine_module._Iteration):
+    """The iteration as it would be without holding the bf16 staging copies until step()'s join."""
+
+    staging: list = dataclasses.field(default_factory=_ForgetfulList)
+
+
+def _across_without_waiting(self, works, piece):
+    """The slice all-reduced across replicas without the side stream waiting for the reduce-scatter."""
+    with self.side.run(follow_current=False):
+        return collectives.all_reduce(piece, self.topology.replica_group)
+
+
 BASE = dict(overlap="bucket", grad_reduce="reduce_scatter", scaler=False, param_sync="forward", find_unused=False)
 REVERTED = {
     "skip counter before the join": (
@@ -226,6 +286,9 @@ REVERTED = {
         [(hooks_module.ForwardWait, "__call__", _forward_wait_skipped)], BASE, "collectives.all_gather"),
     "update not waiting for the reduction": (
         [(Updates, "finish", _finish_without_waiting(Updates.finish))], BASE, "collectives.reduce_scatter"),
+    "bf16 staging copy freed before the join": (
+        [(engine_module, "_Iteration", _IterationKeepingNoCopy)], {**BASE, "reduce_dtype": torch.bfloat16},
+        "freed while in use"),
     "pinned buffer refilled while in use": (
         [(streams_module._PinnedRing, "take", _ring_reusing_a_busy_buffer)], {**BASE, "find_unused": True},
         "_ring_reusing_a_busy_buffer"),
@@ -248,6 +311,24 @@ def check_reverted(rank, world):
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     return out
+
+
+def check_across_reverted(rank, world):
+    saved = Reduction._across_replicas
+    Reduction._across_replicas = _across_without_waiting
+    try:
+        with StreamChecker() as checker:
+            train(rank, {**BASE, "shard": 2}, checker, steps=3)
+        return checker.report()
+    finally:
+        Reduction._across_replicas = saved
+
+
+def test_cross_replica_all_reduce_without_its_wait_is_named():
+    """The edge the replicas add (the side stream waits for the shard group's reduce-scatter before it
+    issues the all-reduce across replicas), removed, at four ranks in shard groups of 2."""
+    report = run_ranks(check_across_reverted, 4)[0]
+    assert "collectives.reduce_scatter" in report and "collectives.all_reduce" in report, report
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,213 @@
+"""Which ranks shard the optimizer together and which hold replicas of it: the groups every collective of
+the pipeline runs on.
+
+By default every bucket is sharded over all ``W`` ranks of DDP's process group. ``shard_group`` shards
+it within groups of ``S`` ranks instead and replicates across the ``R = W / S`` groups, as FSDP2's
+HSDP (a 2-D device mesh), Megatron-core's distributed optimizer instances and DeepSpeed ZeRO++'s
+hierarchical partitioning do: the reduce-scatter of gradients and the all-gather of parameters stay
+within the shard group (a node's NVLink), and only this rank's slice, 1/S of the bucket, is all-reduced
+across the replicas (the network). The state per rank is then 1/S of torch.optim's.
+
+``shard_group`` is one of:
+
+- an ``int`` S: consecutive ranks of DDP's group, ``[0, S)``, ``[S, 2S)``, ... (as
+  ``torch.distributed.new_subgroups(group_size=S)``; with one node of S GPUs per group, the node);
+- a ``ProcessGroup``: this rank's shard group; the groups of all ranks must tile DDP's group (equal
+  sizes, disjoint, covering it), which the ranks check together at construction;
+- a ``DeviceMesh``: 2-D as FSDP2's HSDP, dimension 0 replicating and dimension 1 sharding; or 1-D,
+  the shard group. Its ranks must be DDP's.
+
+Every rank derives the same groups from the same information, so construction agrees on every rank,
+and refuses on every rank, naming the fix. Groups made here are cached by their ranks: building another
+optimizer over the same sharding makes no new process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+"""Process groups made here, by their global ranks (``dist.new_group`` is a collective of every rank)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Attributes:
+        group, world, rank: DDP's process group, its size W and this rank in it (the reductions'
+            averaging, the tail, flags and checks run over it).
+        shard_group, shard_size, shard_rank: the ranks sharing this rank's buckets (S of them), and
+            this rank's index among them: the ``world_size`` and ``rank`` of every ``BucketLayout``.
+        replica_group, replicas, replica: the ranks holding the same slice as this one in the other
+            shard groups (None when R = 1), R, and the index of this rank's shard group.
+        shards: every shard group's members as ranks of DDP's group, ``shards[replica][shard_rank]``.
+        global_ranks: the same, as global ranks (DCP's placements).
+    """
+
+    group: object
+    world: int
+    rank: int
+    shard_group: object
+    shard_size: int
+    shard_rank: int
+    replica_group: object | None
+    replicas: int
+    replica: int
+    shards: tuple[tuple[int, ...], ...]
+    global_ranks: tuple[tuple[int, ...], ...]
+
+    @property
+    def counts_slice(self) -> bool:
+        """Whether this rank's slices count towards global sums (norm, non-finite count): every slice is
+        held by R ranks after the reduction, and summed once, on replica 0."""
+        return self.replica == 0
+
+    @property
+    def counts_tail(self) -> bool:
+        """The tail is held by every rank: it counts on one."""
+        return self.replica == 0 and self.shard_rank == 0
+
+    def check_reduce_dtype(self, dtype: torch.dtype | None, device: torch.device) -> None:
+        """Refuse ``grad_reduce_dtype`` where a group's backend cannot sum it (before anything changes)."""
+        if dtype is None or self.world == 1:
+            return
+        for g in (self.group, self.shard_group, self.replica_group):
+            if g is not None and not collectives.reduces_in(g, dtype, device):
+                raise ValueError(f"grad_reduce_dtype={dtype}: the {collectives.backend_of(g, device)!r} backend of "
+                                 f"the process group cannot sum {dtype} tensors (gloo can; NCCL from 2.10 for "
+                                 "bfloat16); leave grad_reduce_dtype=None to reduce in the gradients' dtype")
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """``(replica, shard_rank)`` of DDP-group rank ``rank``."""
+        for replica, members in enumerate(self.shards):
+            if rank in members:
+                return replica, members.index(rank)
+        raise ValueError(f"rank {rank} is not in DDP's group of {self.world}")
+
+    @staticmethod
+    def build(group, shard_group, device: torch.device) -> Topology:
+        """The topology of DDP's ``group`` sharded by the ``shard_group`` option (module docstring)."""
+        group = group if group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        ddp_ranks = tuple(dist.get_process_group_ranks(group)) if world > 1 else (dist.get_rank(),)
+        given = None  # the user's own process group of this rank's shard group
+        if shard_group is None:
+            members = [tuple(range(world))]
+        elif isinstance(shard_group, int):
+            members = _consecutive(shard_group, world)
+        elif _is_mesh(shard_group) and shard_group.ndim == 2:
+            members = _from_mesh(shard_group, ddp_ranks)
+        elif _is_mesh(shard_group):
+            if shard_group.ndim != 1:
+                raise ValueError(f"shard_group: a DeviceMesh of {shard_group.ndim} dimensions; give a 2-D mesh "
+                                 "(replicate, shard), as FSDP2's HSDP takes, or a 1-D mesh of the shard group")
+            given = shard_group.get_group()
+            members = _gathered(given, group, world, ddp_ranks, device)
+        else:
+            given = shard_group
+            members = _gathered(given, group, world, ddp_ranks, device)
+        S, R = len(members[0]), len(members)
+        replica, shard_rank = next((i, m.index(rank)) for i, m in enumerate(members) if rank in m)
+        global_ranks = tuple(tuple(ddp_ranks[r] for r in m) for m in members)
+        if S == world:
+            shard_pg = group  # the same communicator as DDP's: one stream, and no group to make
+        elif given is not None:
+            shard_pg = given
+        elif _is_mesh(shard_group):
+            shard_pg = shard_group.get_group(1)
+        else:
+            shard_pg = _group_of(global_ranks, replica)
+        replicas = [tuple(m[j] for m in global_ranks) for j in range(S)]
+        if R == 1:
+            replica_pg = None
+        elif S == 1:
+            replica_pg = group
+        elif _is_mesh(shard_group) and given is None:
+            replica_pg = shard_group.get_group(0)
+        else:
+            replica_pg = _group_of(replicas, shard_rank)
+        if S > 1 and dist.get_rank(shard_pg) != shard_rank:
+            raise ValueError(f"shard_group: this rank is rank {dist.get_rank(shard_pg)} of its shard group but "
+                             f"position {shard_rank} in its member list; build the group from its ranks in order")
+        return Topology(group, world, rank, shard_pg, S, shard_rank, replica_pg, R, replica,
+                        tuple(members), global_ranks)
+
+
+def _consecutive(size, world: int) -> list[tuple[int, ...]]:
+    if isinstance(size, bool) or size < 1 or world % size:
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ValueError(f"shard_group={size!r} does not tile DDP's group of {world} ranks into groups of "
+                         f"consecutive ranks: give a divisor of {world} ({divisors}), or a process group "
+                         "or DeviceMesh whose groups tile it")
+    return [tuple(range(i, i + size)) for i in range(0, world, size)]
+
+
+def _is_mesh(obj) -> bool:
+    return type(obj).__name__ == "DeviceMesh" and hasattr(obj, "get_group")
+
+
+def _from_mesh(mesh, ddp_ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Shard groups of a 2-D DeviceMesh (the rows: dimension 1 shards), as ranks of DDP's group."""
+    rows = [tuple(int(r) for r in row) for row in mesh.mesh.tolist()]
+    flat = sorted(r for row in rows for r in row)
+    if flat != sorted(ddp_ranks):
+        raise ValueError(f"shard_group: the DeviceMesh holds ranks {flat}, DDP's process group {sorted(ddp_ranks)}: "
+                         "build the mesh over DDP's ranks (init_device_mesh(device, (replicas, shard_size)))")
+    return [tuple(ddp_ranks.index(r) for r in row) for row in rows]
+
+
+def _gathered(pg, group, world: int, ddp_ranks: tuple[int, ...], device) -> list[tuple[int, ...]]:
+    """Every rank's shard group, learned by one all-gather over DDP's group (a process group's members
+    are known only to its own ranks), then checked to tile DDP's group."""
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"shard_group must be an int (ranks per shard group), a ProcessGroup or a DeviceMesh, "
+                        f"got {type(pg).__name__}")
+    mine = dist.get_process_group_ranks(pg)
+    own = torch.full((world,), -1, dtype=torch.int64, device=device)
+    for i, r in enumerate(mine):
+        own[i] = ddp_ranks.index(r) if r in ddp_ranks else world  # world: not one of DDP's ranks
+    everyone = torch.empty(world * world, dtype=torch.int64, device=device)
+    if world > 1:
+        collectives.all_gather(everyone, own, group, async_op=False)
+    else:
+        everyone.copy_(own)
+    lists = [tuple(r for r in row if r >= 0) for row in everyone.view(world, world).cpu().tolist()]
+    for r, members in enumerate(lists):
+        if r not in members:
+            raise ValueError(f"shard_group: rank {r}'s shard group ({list(members)}) does not contain rank {r}, "
+                             "or holds ranks outside DDP's process group; pass each rank the group it belongs to")
+    groups = list(dict.fromkeys(lists))
+    for r, members in enumerate(lists):
+        for other in groups:
+            if other != members and r in other:
+                raise ValueError(f"shard_group: rank {r} is in the shard groups {list(members)} and {list(other)} "
+                                 "of different ranks; the shard groups must be disjoint")
+    return _check_tiling(groups, world, "the process groups")
+
+
+def _check_tiling(groups, world: int, what: str) -> list[tuple[int, ...]]:
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"shard_group: {what} have sizes {sizes}; every shard group must have the same size "
+                         f"(a divisor of DDP's {world} ranks)")
+    covered = sorted(r for g in groups for r in g)
+    if covered != list(range(world)):
+        raise ValueError(f"shard_group: {what} cover ranks {covered} of DDP's group of {world}: the shard groups "
+                         "must tile it (disjoint, equal sizes, every rank in one)")
+    return sorted(groups)
+
+
+def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine: int):
+    """The process group of ``groups[mine]``, after making (or finding) one for every group: new_group is a
+    collective of every rank, called for every group in the same order."""
+    made = []
+    for members in groups:
+        key = tuple(members)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(key))
+        made.append(_GROUPS[key])
+    return made[mine]
