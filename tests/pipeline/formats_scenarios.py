@@ -51,10 +51,12 @@ class FormatCase:
     same_data: bool = False  # every rank trains on the same batches (the world size then changes nothing)
     seed: int = 11
     backend: str = "torch"  # "triton": the kernels, interpreted on the CPU
+    shard: int | None = None  # shard_group=: shards of this many consecutive ranks, replicated across
 
     def name(self) -> str:
         return (f"{self.opt}-{self.state_format}{'-sr' if self.stochastic else ''}{'-ams' if self.amsgrad else ''}"
-                f"-{self.overlap}-{self.grad_reduce}{'-same' if self.same_data else ''}-{self.backend}")
+                f"-{self.overlap}-{self.grad_reduce}{'-same' if self.same_data else ''}-{self.backend}"
+                f"{f'-shard{self.shard}' if self.shard else ''}")
 
 
 def build(case: FormatCase):
@@ -71,7 +73,7 @@ def build(case: FormatCase):
     hp = dict(HPARAMS[case.opt], **({"amsgrad": True} if case.amsgrad else {}))
     opt = getattr(fused_zero, case.opt)(ddp.parameters(), ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
                                         state_format=case.state_format, stochastic_rounding=case.stochastic,
-                                        seed=case.seed, backend=case.backend, **hp)
+                                        seed=case.seed, backend=case.backend, shard_group=case.shard, **hp)
     params = [p for p in ref.parameters() if p.requires_grad]
     work = [p.detach().float().requires_grad_(True) for p in params] if case.stochastic else params
     ref_opt = getattr(torch.optim, case.opt)(work, foreach=False, **hp)

@@ -43,6 +43,18 @@ def test_formats_one_and_four_ranks(world):
     assert run_ranks(run_format_cases, world, ONE_AND_FOUR) == [names] * world
 
 
+SHARDED = [FormatCase(state_format="int8", overlap="bucket", shard=2),
+           FormatCase(state_format="bf16", opt="SGD", overlap="backward", grad_reduce="all_reduce", shard=2),
+           FormatCase(state_format="int8", stochastic=True, overlap="step", shard=2)]
+
+
+def test_formats_in_shard_groups():
+    """Four ranks in two shard groups of two: each replica's rank holds the same slice, so the same
+    blocks and, with stochastic rounding, the same bits (the element's index, not the rank, draws them)."""
+    names = [c.name() for c in SHARDED]
+    assert run_ranks(run_format_cases, 4, SHARDED) == [names] * 4
+
+
 def _oracle_off(rank, world):
     built = build(FormatCase(state_format="int8", steps=2))
     try:
