@@ -47,7 +47,7 @@ over the step's collectives (each waits for its own steps). Figures:
 for fused_zero (every per-iteration protocol runs in collectives; a rank-0-only ``state_dict()`` is
 served from threads, checkpoint/serving.py). Listed apart, what one rank-0-only ``state_dict()`` costs:
 ``STORE_PER_PEER`` requests for each rank it asks, which are the other ranks of its shard group only
-(every shard group holds the whole state), measured in tests/checkpoint/test_rank0_state_dict.py.
+(every shard group holds the whole state), as bench/checkpoint_rank0_cost.py measures it.
 """
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ MODELS = {
 }
 
 
-STORE_PER_PEER = 16
-"""c10d store requests per rank a rank-0-only ``state_dict()`` asks (its two mailbox messages, 5 requests
-each, and the listeners' re-armed waits: 8 on each side, measured at W=2)."""
+STORE_PER_PEER = 15
+"""c10d store requests per rank a rank-0-only ``state_dict()`` asks, all ranks together: 15 at W=2, 45 at
+W=4 (bench/checkpoint_rank0_cost.py, bench/results/2026-12-01-cpu-2core-rank0-checkpoint.json)."""
 
 def build(name: str) -> nn.Module:
     with torch.device("meta"):
