@@ -1,6 +1,7 @@
 """FusedZeroStrategy on 2 gloo ranks: Trainer.fit matches Lightning + torch.optim.AdamW after every batch
 (plain, accumulation, scheduler; clipping to rounding; 16-mixed with Lightning's GradScaler and an inf on
-one rank), resumes bit-identically from a ModelCheckpoint, trains in bf16-true, and refuses what it cannot
+one rank; bf16-mixed), resumes bit-identically from a ModelCheckpoint, trains in bf16-true (to bf16
+rounding of torch.optim's own bf16 run), and refuses what it cannot
 honour with a message. One spawn for all of it."""
 
 import importlib.util
@@ -26,6 +27,8 @@ def test_lightning_strategy(tmp_path):
         assert r["clip"] == [] and r["clip_moved"], r["clip"]
         assert r["resume"] == [], r["resume"]
         assert r["bf16"] == [True, True, True]
+        assert r["bf16_mixed"] == [], r["bf16_mixed"]
+        assert r["bf16_true"] == [], r["bf16_true"]
         assert r["fp16"] == {"backward": [], "step-clip": []}, r["fp16"]
         for scales, ref_scales in r["fp16_scales"].values():
             # the same scale on both sides after every batch: halved at the inf (batch 2), grown after
