@@ -9,6 +9,8 @@ writes ``DIR/report.md`` and PNGs next to it (matplotlib, Agg backend):
     e2e_iteration.png    iteration time per system, split into forward / backward / opt.step / zero_grad
     step_iteration.png   the same for every model of the step benchmark
     host_overhead.png    µs per bucket inside fused_zero's comm hook
+    (no plot)            the "Against the floor" table (test_bench_floor.py): iteration ratios to
+                         ZeroRedundancyOptimizer and to the floor, from the same run
     scaling.png          per-rank iteration time and optimizer state against the world size
 
 Sections whose benchmarks are absent are left out, so a kernel-only or a step-only JSON works. Every
@@ -51,7 +53,7 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 def kind_of(b: dict) -> str:
     info = b.get("extra_info", {})
-    if info.get("bench") in STEP_KINDS:
+    if info.get("bench") in STEP_KINDS + ("floor",):
         return info["bench"]
     if "provider" in info and "size" in info and "bytes" in info:
         return "kernel"
@@ -118,6 +120,35 @@ def gbps(b: dict) -> float:
 
 def ms(b: dict, stat: str = "median") -> float:
     return b["stats"][stat] * 1e3
+
+
+# ------------------------------------------------------------------ floor
+
+def floor_section(benches: list[dict], outdir: str, plots: list[str]) -> str:
+    """test_bench_floor.py: every system's median iteration and its ratios to ZeroRedundancyOptimizer
+    and to the floor, as computed in the ranks from the same run."""
+    mine = [b for b in benches if kind_of(b) == "floor"]
+    if not mine:
+        return ""
+    out = ["## Against the floor (test_bench_floor)", ""]
+    for src in sorted({b["source"] for b in mine}):
+        run = [b for b in mine if b["source"] == src]
+        e = run[0]["extra_info"]
+        out.append(f"{e['model']} ({e['params']:,} parameters), world {e['world']} ({e['backend']}), batch "
+                   f"{e['batch_per_rank']} per rank, bucket_cap_mb {e['bucket_cap_mb']}, {e['warmup']} warm-up + "
+                   f"{e['iters']} measured iterations in {e['rounds']} rounds, {e['device']}; load average "
+                   f"{e['load_before'][0]:.2f} before, {e['load_after'][0]:.2f} after (1 min; after includes the "
+                   f"benchmark's own {e['world']} ranks).")
+        out.append("")
+        rows = [[f"`{b['extra_info']['system']}`", b["extra_info"]["iter_ms_median"],
+                 b["extra_info"]["fwd_ms_median"], b["extra_info"]["bwd_ms_median"],
+                 b["extra_info"]["step_ms_median"], mib(b["extra_info"]["state_bytes"]),
+                 b["extra_info"]["vs_zero"], b["extra_info"]["vs_zero_fused"], b["extra_info"]["vs_floor"],
+                 b["extra_info"]["optimizer_impl"]] for b in run]
+        out.append(table(["system", "iteration ms", "fwd ms", "bwd ms", "opt.step ms", "state/rank",
+                          "/ ddp+zero", "/ ddp+zero-fused", "/ floor", "implementation"], rows))
+        out.append("")
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------ header
@@ -511,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     plots: list[str] = []
     parts = [header(sources, benches)]
-    for section in (step_section, host_section, scaling_section, kernel_section):
+    for section in (step_section, floor_section, host_section, scaling_section, kernel_section):
         text = section(benches, args.out, plots)
         if text:
             parts.append(text)
