@@ -3,9 +3,10 @@ and deeper here so that the formats separate) trained on its corpus under DDP wi
 once per format, from the same initialization on the same batches; the held-out loss at the end of
 each run against fp32 AdamW's.
 
-Run: ``python bench/state_format_quality.py --out bench/results/<date>-state-formats [--steps 1200]``.
-It writes ``quality.json`` (every run's loss curve, its final train and held-out losses, the optimizer
-bytes per rank) and ``quality.png`` (the curves), and prints the table of docs/performance.md.
+Run: ``python bench/state_format_quality.py --out bench/results/<date>-state-formats [--steps 1000]``,
+and for the run-to-run spread ``... --runs fp32 --seeds 1 2 3 --tag spread``. It writes ``quality.json``
+(every run's loss curve, its final train and held-out losses, the optimizer bytes per rank) and
+``quality.png`` (the curves), and prints the table of docs/performance.md.
 
 Runs (2 gloo ranks by default):
 
@@ -47,7 +48,7 @@ RUNS = {  # name: (parameter dtype, fused_zero options)
 
 
 def _train(rank: int, world: int, name: str, steps: int, width: int, layers: int, lr: float,
-           eval_batches: int) -> dict:
+           eval_batches: int, seed: int) -> dict:
     torch.set_num_threads(1)
     dtype, options = RUNS[name]
     text = load_corpus()
@@ -55,7 +56,7 @@ def _train(rank: int, world: int, name: str, steps: int, width: int, layers: int
     data = tok.encode(text)
     split = int(0.9 * data.numel())
     train, held = data[:split], data[split:]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=layers, n_head=4, n_embd=width))
     model = model.to(getattr(torch, dtype))
     ddp = DDP(model, bucket_cap_mb=1.0, gradient_as_bucket_view=True)
@@ -65,7 +66,7 @@ def _train(rank: int, world: int, name: str, steps: int, width: int, layers: int
                            lr=lr, betas=(0.9, 0.95), ddp=ddp, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(  # warm-up, then cosine to 10%
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
-    stream = batches(train, batch_size=16, block_size=64, rank=rank, world_size=world, seed=1)
+    stream = batches(train, batch_size=16, block_size=64, rank=rank, world_size=world, seed=1 + seed)
     curve = []
     for _ in range(steps):
         x, y = next(stream)
@@ -86,8 +87,9 @@ def _train(rank: int, world: int, name: str, steps: int, width: int, layers: int
     dist.all_reduce(total)
     mem = opt.memory()
     params = sum(p.numel() for p in model.parameters())
-    return {"name": name, "curve": curve, "held_out": float(total) / world,
-            "train_last50": sum(curve[-50:]) / 50, "params": params,
+    return {"name": name if seed == 0 else f"{name}, seed {seed}", "seed": seed, "curve": curve,
+            "held_out": float(total) / world,
+            "train_last50": sum(curve[-50:]) / len(curve[-50:]), "params": params,
             "state_bytes_per_rank": int(mem["state"]), "param_dtype": dtype, "options": options}
 
 
@@ -113,7 +115,7 @@ def _plot(runs: list[dict], path: str) -> None:
 
 
 def table(runs: list[dict]) -> str:
-    base = next(r for r in runs if r["name"] == "fp32")
+    base = next((r for r in runs if r["name"] == "fp32"), runs[0])
     lines = ["| run | held-out loss | gap to fp32 | train loss (last 50) | optimizer bytes/param (x W) |",
              "|---|---|---|---|---|"]
     for r in runs:
@@ -128,26 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=40)
     ap.add_argument("--runs", nargs="+", default=list(RUNS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="initialization and data seeds of every run (others than 0: the run-to-run spread)")
+    ap.add_argument("--tag", default="quality", help="the output files' name")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs = []
-    for name in args.runs:
+    for name, seed in [(n, s) for s in args.seeds for n in args.runs]:
         out = run_ranks(_train, args.world, name, args.steps, args.width, args.layers, args.lr,
-                        args.eval_batches, backend="gloo", timeout=3600.0)[0]
+                        args.eval_batches, seed, backend="gloo", timeout=3600.0)[0]
         out["world"] = args.world
         runs.append(out)
-        print(f"{name}: held-out {out['held_out']:.4f}, train {out['train_last50']:.4f}", flush=True)
+        print(f"{out['name']}: held-out {out['held_out']:.4f}, train {out['train_last50']:.4f}", flush=True)
     meta = {"torch": torch.__version__, "world": args.world, "steps": args.steps, "width": args.width,
             "layers": args.layers, "lr": args.lr, "eval_batches": args.eval_batches, "runs": runs}
-    with open(os.path.join(args.out, "quality.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    _plot(runs, os.path.join(args.out, "quality.png"))
+    _plot(runs, os.path.join(args.out, f"{args.tag}.png"))
     print(table(runs))
     return 0
 
