@@ -54,6 +54,15 @@ def encode_block(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Ten
     return encode8(y, signed), s
 
 
+def encode_blocks(x: torch.Tensor, local: torch.Tensor, k: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many blocks at once (``local``: each element's block, 0..k-1): the codes and the ``k`` scales that
+    ``encode_block`` gives each block, elementwise the same operations."""
+    s = torch.zeros(k, dtype=torch.float32, device=x.device).scatter_reduce_(0, local, x.abs(), "amax")
+    per = s[local]
+    y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
+    return encode8(y, signed), s
+
+
 def round_stochastic(p: torch.Tensor, key: int, elem: torch.Tensor) -> torch.Tensor:
     """bf16 by stochastic rounding (kernels/formats.py), ``elem`` each element's index in its parameter."""
     h = _mix32(key ^ ((elem * 0x9E3779B9) & 0xFFFFFFFF))
@@ -105,8 +114,8 @@ def store_values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor
     if t.dtype != torch.uint8:
         t.copy_(x)
         return
-    signed = SIGNED[name]
-    for so, n, block in rows[:, [0, 1, 7]].tolist():
-        codes, s = encode_block(x[so:so + n], signed)
-        t[so:so + n] = codes
-        scale[block] = s
+    block = _blocks(rows, t.numel())
+    covered = block >= 0
+    codes, s = encode_blocks(x[covered], block[covered], scale.numel(), SIGNED[name])
+    t[covered] = codes
+    scale.copy_(s)

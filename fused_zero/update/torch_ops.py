@@ -4,8 +4,10 @@ This is the fast path for CPU tensors (the Triton interpreter is a correctness t
 slower). It reads the same rows and the same float32 coefficient table, and calls the very ops
 torch.optim's single-tensor implementations call, with the same Python scalars, so its results are
 the ones torch.optim computes, element for element. Moments stored in bf16 or 8 bits are decoded to
-fp32 before those ops and encoded after them (formats.py), as the kernels do; 8-bit moments and
-stochastically rounded weights go block by block (the kernels' rows), the others by merged runs.
+fp32 before those ops and encoded after them (formats.py), as the kernels do. Rows go in merged runs;
+with 8-bit moments or stochastic rounding the runs are merged from the kernels' own rows, each a block
+whose scale is reduced on its own (``encode_blocks``), and runs of stochastically rounded weights keep
+to one parameter, whose element indices draw the bits.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import ADAM_COEFS, SGD_COEFS, row_table
-from .formats import SIGNED, decode8, encode_block, round_stochastic
+from .formats import SIGNED, decode8, encode_blocks, round_stochastic
 
 _ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
 _SGD = {name: i for i, name in enumerate(SGD_COEFS)}
@@ -59,12 +61,34 @@ def merged_runs(rows, table: list[list[float]]):
     return runs
 
 
+def block_runs(rows, table: list[list[float]], stochastic: bool):
+    """The kernels' rows (blocks) merged as ``merged_runs`` merges pieces, with what 8-bit moments and
+    stochastic rounding need: ``(so, n, po, go, pid, elem, blocks, lengths)``, ``elem`` the first
+    element's index in its parameter, ``blocks`` / ``lengths`` the run's rows. With stochastic rounding
+    a run stays within one parameter."""
+    runs = []
+    for so, n, po, go, pid, elem, block in row_table(rows)[:, [0, 1, 2, 3, 4, 5, 7]].tolist():
+        if runs:
+            rso, rn, rpo, rgo, rpid, relem, blocks, lengths = runs[-1]
+            if (so == rso + rn and po == rpo + rn and go == rgo + rn and table[pid] == table[rpid]
+                    and (not stochastic or (pid == rpid and elem == relem + rn))):
+                blocks.append(block)
+                lengths.append(n)
+                runs[-1] = (rso, rn + n, rpo, rgo, rpid, relem, blocks, lengths)
+                continue
+        runs.append((so, n, po, go, pid, elem, [block], [n]))
+    return runs
+
+
 class _Moments:
     """One run's moments as fp32 working tensors (views of fp32 storage, decoded copies otherwise),
-    and their storing back."""
+    and their storing back (8-bit: each of the run's blocks with its own scale)."""
 
-    def __init__(self, args, so: int, n: int, block: int | None):
-        self.args, self.so, self.n, self.block = args, so, n, block
+    def __init__(self, args, so: int, n: int, blocks: list[int] | None, lengths: list[int] | None):
+        self.args, self.so, self.n = args, so, n
+        if args.scales and blocks is not None:
+            self.ids = torch.tensor(blocks)
+            self.local = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lengths))
 
     def get(self, name: str) -> torch.Tensor:
         t = self.args.state[name][self.so:self.so + self.n]
@@ -72,16 +96,16 @@ class _Moments:
             return t
         if t.dtype == torch.bfloat16:
             return t.float()
-        return decode8(t, SIGNED[name]) * self.args.scales[name][self.block]
+        return decode8(t, SIGNED[name]) * self.args.scales[name][self.ids][self.local]
 
     def put(self, name: str, x: torch.Tensor) -> None:
         t = self.args.state[name][self.so:self.so + self.n]
         if t.dtype == torch.bfloat16:
             t.copy_(x)  # round to nearest even
         elif t.dtype == torch.uint8:
-            codes, scale = encode_block(x, SIGNED[name])
+            codes, scales = encode_blocks(x, self.local, len(self.ids), SIGNED[name])
             t.copy_(codes)
-            self.args.scales[name][self.block] = scale
+            self.args.scales[name][self.ids] = scales
 
 
 def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
@@ -91,10 +115,10 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
     table = coefs.tolist()
     master = args.state.get("master")
     blockwise = bool(args.scales) or args.stochastic
-    units = row_table(rows)[:, [0, 1, 2, 3, 4, 5, 7]].tolist() if blockwise else \
-        [(*run, 0, None) for run in merged_runs(rows, table)]
+    units = block_runs(rows, table, args.stochastic) if blockwise else \
+        [(*run, 0, None, None) for run in merged_runs(rows, table)]
     keys = coefs[:, -1].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF if args.stochastic else None
-    for so, n, po, go, pid, elem, block in units:
+    for so, n, po, go, pid, elem, blocks, lengths in units:
         c = table[pid]
         if c[0] == 0.0:  # inactive: no gradient this step
             continue
@@ -104,7 +128,7 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
             p = args.param[po:po + n]
         else:
             p = args.param[po:po + n].float()
-        moments = _Moments(args, so, n, block)
+        moments = _Moments(args, so, n, blocks, lengths)
         if kind == "adam":
             _adam_row(args, c, p, moments, n, go, maximize, amsgrad)
         else:
