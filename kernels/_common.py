@@ -80,14 +80,17 @@ def load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER: tl.cons
 
 
 @triton.jit
-def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, sr_key, elem, HAS_MASTER: tl.constexpr,
+def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, key_ptr, row, lanes, HAS_MASTER: tl.constexpr,
                  PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Write the updated weight: to the master copy if there is one, and to the parameter (bf16 without
-    a master: ``STOCHASTIC`` rounds stochastically, see formats.py)."""
+    a master: ``STOCHASTIC`` rounds stochastically, see formats.py, with the parameter's key of this step
+    at ``key_ptr`` in its coefficient row and each element's index from the row's ``elem`` column)."""
     if HAS_MASTER:
         tl.store(master_ptr + s_offs, p, mask=mask)
     if STOCHASTIC:
-        tl.store(param_ptr + p_offs, round_stochastic_bits(p, sr_key, elem).to(tl.bfloat16, bitcast=True), mask=mask)
+        key = tl.load(key_ptr).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        elem = tl.load(row + 5) + lanes
+        tl.store(param_ptr + p_offs, round_stochastic_bits(p, key, elem).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         store_param(param_ptr, p_offs, p, mask, PARAM_BF16)
 

@@ -147,13 +147,8 @@ def _adam_elements(c, n, mask, s_offs, p_offs, g_offs, row, lanes, grad_ptr, mas
 
     store_moment(exp_avg_ptr, exp_avg_scale_ptr, block, s_offs, m, mask, n, MOMENTS, True)
     store_moment(exp_avg_sq_ptr, exp_avg_sq_scale_ptr, block, s_offs, v, mask, n, MOMENTS, False)
-    if STOCHASTIC:
-        key = tl.load(c + 10).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        elem = tl.load(row + 5) + lanes
-    else:
-        key = 0
-        elem = lanes
-    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, key, elem, HAS_MASTER, PARAM_BF16, STOCHASTIC)
+    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, c + 10, row, lanes, HAS_MASTER, PARAM_BF16,
+                 STOCHASTIC)
 
 
 def adam_coefficients(*, lr, beta1, beta2, eps, weight_decay, step, decoupled: bool,

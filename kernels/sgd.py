@@ -120,13 +120,8 @@ def _sgd_elements(c, n, mask, s_offs, p_offs, g_offs, row, lanes, grad_ptr, mast
         else:
             g = buf
     p = p + neg_lr * g
-    if STOCHASTIC:
-        key = tl.load(c + 7).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        elem = tl.load(row + 5) + lanes
-    else:
-        key = 0
-        elem = lanes
-    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, key, elem, HAS_MASTER, PARAM_BF16, STOCHASTIC)
+    store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, c + 7, row, lanes, HAS_MASTER, PARAM_BF16,
+                 STOCHASTIC)
 
 
 def sgd_coefficients(*, lr, momentum, dampening, weight_decay, first,
