@@ -47,16 +47,9 @@ def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
-def encode_block(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's codes and scale (its largest magnitude), as the kernels' ``store_moment``."""
-    s = x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
-    y = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0) if x.numel() else x
-    return encode8(y, signed), s
-
-
 def encode_blocks(x: torch.Tensor, local: torch.Tensor, k: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Many blocks at once (``local``: each element's block, 0..k-1): the codes and the ``k`` scales that
-    ``encode_block`` gives each block, elementwise the same operations."""
+    """Blocks encoded as the kernels' ``store_moment`` encodes one (``local``: each element's block,
+    0..k-1): every block's scale is its largest magnitude, its codes each element over that scale."""
     s = torch.zeros(k, dtype=torch.float32, device=x.device).scatter_reduce_(0, local, x.abs(), "amax")
     per = s[local]
     y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
