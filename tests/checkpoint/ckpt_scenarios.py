@@ -8,7 +8,7 @@ import copy
 
 import torch
 import torch.distributed.checkpoint as dcp
-from scenarios import _compare, _reference_step, loss_of
+from scenarios import _compare, _reference_step, build, loss_of
 
 
 def train(case, ddp, opt, rank, steps, start=1):
@@ -38,6 +38,30 @@ def perturb(case, built, rank):
     checkpoint's, and the model weights are reloaded afterwards by the caller."""
     train(case, built[1], built[2], rank, 3, start=500)
 
+
+
+def load_and_continue(case, rank, saved: dict, dcp_path: str, forms=("canonical", "dcp"),
+                      settle_reference: bool = False) -> None:
+    """For each form: build ``case`` afresh, perturb it, load ``saved`` (``model``, torch.optim's
+    ``torch`` dict into the reference, ``ours`` or the DCP checkpoint at ``dcp_path`` into fused_zero),
+    then train both 4 steps, compared step by step. ``settle_reference``: train the reference elsewhere
+    first too, so that both DDPs have rebuilt their buckets (at four ranks gloo's sums of differently
+    ordered buckets differ in the last bit, and the comparison is exact)."""
+    for form in forms:
+        built = build(case, rank)
+        model, ddp, opt, ref_model, ref_ddp, ref_opt, masters = built
+        perturb(case, built, rank)
+        if settle_reference:
+            train_ref(case, ref_model, ref_ddp, ref_opt, masters, rank, 3, start=500)
+        for m in (model, ref_model):
+            m.load_state_dict(saved["model"])
+        ref_opt.load_state_dict(copy.deepcopy(saved["torch"]))
+        if form == "canonical":
+            opt.load_state_dict(saved["ours"])
+        else:
+            dcp_load(opt, dcp_path)
+        train_both(case, built, rank, 4, start=5)
+        opt._engine.close()
 
 
 def assert_same_state(ours: dict, theirs: dict) -> None:

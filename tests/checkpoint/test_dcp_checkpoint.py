@@ -3,13 +3,12 @@ loads at three ranks and at one, with other buckets, and training continues in p
 torch.optim continuing from its own saved state. Saving through DCP holds no more than the rank's own
 state plus one bucket."""
 
-import copy
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ckpt_scenarios import dcp_load, perturb, train_both
+from ckpt_scenarios import load_and_continue, train_both
 from distributed import run_ranks
 from scenarios import Case, build
 from torch import nn
@@ -81,20 +80,8 @@ def load_elsewhere(rank, world, path, bucket_cap_mb):
     """At another world size and bucket size: ours loads (canonical, then DCP), torch.optim loads its
     own saved state, and both continue equal step by step."""
     saved = torch.load(os.path.join(path, "ckpt.pt"))
-    case = Case(opt="AdamW", bucket_cap_mb=bucket_cap_mb, groups=2)
-    for form in ("canonical", "dcp"):
-        built = build(case, rank)
-        model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
-        perturb(case, built, rank)
-        for m in (model, ref_model):
-            m.load_state_dict(saved["model"])
-        ref_opt.load_state_dict(copy.deepcopy(saved["torch"]))
-        if form == "canonical":
-            opt.load_state_dict(saved["ours"])
-        else:
-            dcp_load(opt, os.path.join(path, "dcp"))
-        train_both(case, built, rank, 4, start=5)
-        opt._engine.close()
+    load_and_continue(Case(opt="AdamW", bucket_cap_mb=bucket_cap_mb, groups=2), rank, saved,
+                      os.path.join(path, "dcp"))
     dist.barrier()
     return "ok"
 

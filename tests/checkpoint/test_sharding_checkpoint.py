@@ -6,13 +6,12 @@ writing the same chunks) and loaded at 2 x 2 (as a DeviceMesh). After each load 
 parity with torch.optim continuing from its own saved state, every parameter of every rank compared
 step by step (bit for bit: gloo's plan at four ranks sums as DDP does)."""
 
-import copy
 import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ckpt_scenarios import assert_same_state, dcp_load, perturb, train_both, train_ref
+from ckpt_scenarios import assert_same_state, load_and_continue, train_both
 from distributed import run_ranks
 from scenarios import Case, build
 
@@ -46,22 +45,7 @@ def save(rank, path, saved: Case, tag: str):
 
 def load(rank, path, loaded: Case, tag: str, forms=("canonical", "dcp")):
     saved = torch.load(os.path.join(path, f"{tag}.pt"))
-    for form in forms:
-        built = build(loaded, rank)
-        model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
-        perturb(loaded, built, rank)
-        # the reference too, so that both DDPs have rebuilt their buckets: at four ranks gloo's sums of
-        # differently ordered buckets differ in the last bit, and the comparison below is exact
-        train_ref(loaded, ref_model, ref_ddp, ref_opt, built[6], rank, 3, start=500)
-        for m in (model, ref_model):
-            m.load_state_dict(saved["model"])
-        ref_opt.load_state_dict(copy.deepcopy(saved["torch"]))
-        if form == "canonical":
-            opt.load_state_dict(saved["ours"])
-        else:
-            dcp_load(opt, os.path.join(path, f"{tag}-dcp"))
-        train_both(loaded, built, rank, 4, start=5)
-        opt._engine.close()
+    load_and_continue(loaded, rank, saved, os.path.join(path, f"{tag}-dcp"), forms, settle_reference=True)
     dist.barrier()
 
 

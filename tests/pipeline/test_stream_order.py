@@ -120,9 +120,10 @@ def check_config(rank, cfg) -> str | None:
     return "\n".join(problems) or None
 
 
-def check_matrix(rank, world):
+def check_configs(rank, world, cfgs):
+    """Every configuration's problems on this rank (a traceback where one raised), by configuration."""
     failures = {}
-    for cfg in configs():
+    for cfg in cfgs:
         try:
             found = check_config(rank, cfg)
         except Exception:
@@ -134,7 +135,7 @@ def check_matrix(rank, world):
 
 @pytest.fixture(scope="module")
 def matrix():
-    return run_ranks(check_matrix, 2)
+    return run_ranks(check_configs, 2, configs())
 
 
 def test_no_stream_order_hazard_in_any_configuration(matrix):
@@ -160,21 +161,9 @@ def sharded_configs():
     return out
 
 
-def check_sharded(rank, world):
-    failures = {}
-    for cfg in sharded_configs():
-        try:
-            found = check_config(rank, cfg)
-        except Exception:
-            found = traceback.format_exc()
-        if found:
-            failures[str(cfg)] = found
-    return failures
-
-
 def test_no_stream_order_hazard_with_shard_groups_and_bf16_reduction():
     assert len(sharded_configs()) == 18
-    for rank, failures in enumerate(run_ranks(check_sharded, 4)):
+    for rank, failures in enumerate(run_ranks(check_configs, 4, sharded_configs())):
         assert not failures, f"rank {rank}, {len(failures)} of 18 configurations:\n" + "\n\n".join(
             f"{cfg}:\n{what}" for cfg, what in list(failures.items())[:3])
 
