@@ -109,13 +109,14 @@ class _Counted:
     """A store handle that counts the calls made through it (every one is a request to the store)."""
 
     def __init__(self, inner):
-        self.inner, self.requests, self.in_flight = inner, 0, []
+        self.inner, self.requests, self.in_flight, self.names = inner, 0, [], []
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
 
         def counted(*args, **kwargs):
             self.requests += 1
+            self.names.append(name)
             self.in_flight.append(name)
             try:
                 return method(*args, **kwargs)
@@ -183,10 +184,15 @@ def between_steps(rank, world):
             dist.all_gather(gathered, metric)
     _listener_idle(inbox)
     out["store_requests_per_checkpoint"] = (inbox.store.requests + inbox.listening.requests) / 9
-    before = inbox.store.requests + inbox.listening.requests
+    before = inbox.store.requests, len(inbox.listening.names)
+    posted = [inbox.store.inner.add(f"{r}/n", 0) for r in range(world)]  # uncounted reads
     for it in range(10, 15):  # no checkpoint: nothing goes to the store
         _train_both(case, built, rank, it)
-    out["store_requests_steps_10_to_14"] = inbox.store.requests + inbox.listening.requests - before
+    # every request the steps make, and the listener's besides its idle wait (re-armed now and then
+    # whatever the steps do, and taking nothing: a message for it would have to be posted first)
+    listener = [n for n in inbox.listening.names[before[1]:] if n != "wait"]
+    out["store_requests_steps_10_to_14"] = inbox.store.requests - before[0] + len(listener)
+    out["messages_posted_steps_10_to_14"] = sum(inbox.store.inner.add(f"{r}/n", 0) for r in range(world)) - sum(posted)
     if rank == 0:
         _assert_matches_torch(second_opt.state_dict(), second_ref_opt)
     return out
@@ -254,6 +260,7 @@ def test_rank0_serves_while_the_others_run_collectives_of_their_own():
     for out in outs:
         assert out["second"] == [True] * 3, out
         assert out["store_requests_steps_10_to_14"] == 0, out
+        assert out["messages_posted_steps_10_to_14"] == 0, out
         assert 0 < out["store_requests_per_checkpoint"] <= 12, out  # O(1) per pair of ranks
     assert outs[0]["served"] == list(range(1, 10))
 
