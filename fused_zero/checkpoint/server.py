@@ -81,9 +81,19 @@ class ShardServer:
             thread.start()
 
     def register(self, peers) -> int:
-        number = next(self._numbers)
-        self.optimizers[number] = weakref.ref(peers)
+        with self.cond:
+            number = next(self._numbers)
+            self.optimizers[number] = weakref.ref(peers)
+            self.cond.notify_all()
         return number
+
+    def _optimizer(self, number: int):
+        """Optimizer ``number``'s CheckpointPeers, or None. A requester may be ahead of this rank: it
+        returned from attaching that optimizer while this rank is still attaching it, so a number not
+        registered yet is waited for (up to JOIN_DEADLINE_S); one registered and since collected is not."""
+        with self.cond:
+            ref = self.wait(lambda: self.optimizers.get(number), channel.JOIN_DEADLINE_S)
+        return ref() if ref is not None else None
 
     def _done(self) -> bool:
         """Under ``cond``: stopping, with nothing announced left to answer (or out of time for it)."""
@@ -141,11 +151,11 @@ class ShardServer:
             src, k = msg["src"], msg["k"]
             why = "this rank could not send its slices (the requester's process is gone or stuck)"
             try:
-                ref = self.optimizers.get(msg["number"])
-                peers = ref() if ref is not None else None
+                peers = self._optimizer(msg["number"])
                 if peers is None:
                     why = (f"rank {self.rank} has no fused_zero optimizer number {msg['number']} on this process "
-                           "group (attach the optimizers in the same order on every rank)")
+                           f"group (none attached within {channel.JOIN_DEADLINE_S:.0f} s, or it was deleted): attach "
+                           "the optimizers in the same order on every rank")
                 else:
                     why = peers.ready_for(msg["version"], msg["fingerprint"])
                 self.channel.send_text(why, src, request_tag(k, 0), channel.TRANSFER_DEADLINE_S)

@@ -248,6 +248,20 @@ def misuses(rank, world):
     if rank == 0:
         _assert_matches_torch(opt.state_dict(), built[5])
     out["to_out_of_range"] = _error_of(lambda: opt.state_dict(to=2), ValueError)[0]
+
+    # a requester ahead at attach: rank 0 asks for a new optimizer's state as soon as it is built, while
+    # rank 1 registers it 1 s later (its attach is slower); rank 1 serves it once it has
+    second = DDP(nn.Linear(8, 4))
+    peers_for = serving.peers_for
+    if rank == 1:
+        serving.peers_for = lambda engine: (time.sleep(1.0), peers_for(engine))[1]
+    try:
+        opt2 = fused_zero.AdamW(second.parameters(), lr=1e-3, ddp=second)
+    finally:
+        serving.peers_for = peers_for
+    if rank == 0:
+        out["ahead_at_attach"] = opt2.state_dict()["param_groups"][0]["params"]
+    dist.barrier()
     return out
 
 
@@ -274,6 +288,7 @@ def test_misuses_fail_on_the_calling_ranks_within_the_deadline():
         assert f"optimizer.state_dict(to={1 - rank}) on rank {rank}: rank {1 - rank} did not call" in why, out
         assert 1.9 < took < 10, out
         assert "not a rank of the optimizer's process group" in out["to_out_of_range"]
+    assert outs[0]["ahead_at_attach"] == [0, 1], outs[0]
     why, took = outs[0]["to_1_alone"]
     assert "rank 1 did not call optimizer.state_dict() within 2 s" in why and 1.9 < took < 10, outs[0]
     why, took = outs[0]["not_there"]
