@@ -21,7 +21,7 @@ options shared by all:
                     parameters outside a forward only after synchronize())
     backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
     state_format    how the moments are kept: "fp32" (default), "bf16" or "int8" (8-bit blocks with
-                    one fp32 scale each, kernels/formats.py); one format for every param group
+                    one fp32 scale each, kernels/formats.py); a param group may set its own
     stochastic_rounding   bf16 parameters without masters rounded stochastically (unbiased), with
                     bits drawn from ``seed``, the step and the element's index in its parameter
     seed            the stochastic rounding's seed
@@ -37,12 +37,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import canonical, loading, serving, sharded
-from .options import ShardingOptions
+from .options import STATE_FORMATS, ShardingOptions
 from .pipeline.engine import Engine
 from .update.algorithms import AdamFamily, SGDAlgorithm
 
-# sharding options a param group may not set: they shape the buckets' state, which groups share
-_PER_OPTIMIZER = ("state_format", "stochastic_rounding", "seed")
+# sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
+_PER_OPTIMIZER = ("stochastic_rounding", "seed")
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -178,8 +178,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if per_optimizer:
             raise ValueError(
                 f"param group {len(self.param_groups)} sets {', '.join(per_optimizer)}: fused_zero keeps one "
-                f"state format and one rounding for every param group; pass "
-                f"{', '.join(f'{k}=...' for k in per_optimizer)} to the optimizer itself instead")
+                f"rounding for every param group; pass {', '.join(f'{k}=...' for k in per_optimizer)} to the "
+                "optimizer itself instead")
+        fmt = param_group.get("state_format", "fp32") if isinstance(param_group, dict) else "fp32"
+        if fmt not in STATE_FORMATS:
+            raise ValueError(f"param group {len(self.param_groups)} sets state_format={fmt!r}: choose one of "
+                             f"{', '.join(map(repr, STATE_FORMATS))}")
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -226,7 +230,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         shards = self._attached_engine("memory()").shards()
         numel = sum(s.layout.numel for s in shards)
         per_elem = 4 * (len(self._engine.algo.state_names()))
-        masters = sum(s.layout.numel * 4 for s in shards if "master" in s.state)
+        masters = sum(s.layout.numel * 4 for s in shards if "master" in s.names)
         return {
             "state": sum(s.state_bytes() for s in shards),
             "reference_state": numel * per_elem + masters,

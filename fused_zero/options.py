@@ -43,7 +43,7 @@ class ShardingOptions:
         backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
         state_format: how the moments (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) are kept:
             "fp32" (default), "bf16", or "int8" (8 bits with one fp32 scale per block of up to 2048
-            elements; kernels/formats.py). One format for every param group.
+            elements; kernels/formats.py). A param group may set its own ``state_format`` (shard.py).
         stochastic_rounding: bf16 parameters without fp32 master weights, the update's fp32 result
             rounded to bf16 stochastically (unbiased), with random bits drawn from ``seed``, the step
             and the element's place in its parameter: reproducible, and the same at any world size.

@@ -66,13 +66,13 @@ def state_dict(engine, peers, to: int | None = None) -> dict | None:
 
 def sharded_slices(engine) -> list:
     """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
-    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in shard.state]
+    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in shard.names]
 
 
 def layout_fingerprint(engine) -> int:
     """What requester and server must agree on for a slice to mean the same elements on both."""
     layouts = [(s.layout.numel, s.layout.head, s.layout.shard, tuple(s.layout.pids), tuple(s.layout.offsets),
-                tuple(s.state)) for s in engine.shards()]
+                tuple(s.names)) for s in engine.shards()]
     return zlib.crc32(repr(layouts).encode())
 
 
@@ -111,7 +111,7 @@ class StateDictBuilder:
         if e.algo.kind == "adam":
             entry["step"] = torch.tensor(float(e.steps[pid]), dtype=torch.float32)
         flats = {}
-        for name in shard.state:  # bucket order is the parameter's memory order (strides.py)
+        for name in shard.names:  # bucket order is the parameter's memory order (strides.py)
             flats[name] = torch.empty(p.numel(), dtype=torch.float32)
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
         return flats
@@ -134,7 +134,7 @@ class StateDictBuilder:
             layout = shard.layout
             rank = layout.rank  # within the shard group
             mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
-            for name in shard.state:
+            for name in shard.names:
                 region = shard.values(name)  # decoded to fp32 where the moments are stored compact
                 if layout.shard:
                     self.add(shard, name, rank * layout.shard, region[mine].cpu())
@@ -145,9 +145,15 @@ class StateDictBuilder:
         # torch.optim's order: parameters by index, step first, then the state tensors
         state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
-        if self.engine.options.state_format != "fp32":  # torch.optim ignores the key; the moments are decoded
-            out["fused_zero"] = {"state_format": self.engine.options.state_format}
+        formats = group_formats(self.engine)
+        if any(f != "fp32" for f in formats):  # torch.optim ignores the key; the moments are decoded
+            out["fused_zero"] = {"state_format": formats[0] if len(set(formats)) == 1 else formats}
         return out
+
+
+def group_formats(engine) -> list[str]:
+    """Each param group's moment format (``state_format``: the group's own, else the optimizer's)."""
+    return [g.get("state_format", engine.options.state_format) for g in engine.opt.param_groups]
 
 
 def is_state_init_step(engine) -> bool:
@@ -179,7 +185,7 @@ def local_entry(engine, pid: int) -> dict:
     if engine.algo.kind == "adam":
         entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
     engine.synchronize()
-    for name in shard.state:
+    for name in shard.names:
         region = shard.values(name)
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()

@@ -48,7 +48,9 @@ def check_structure(sd, kind: str) -> None:
 
 
 def merged_groups(opt, saved_groups: list) -> list[dict]:
-    """The param groups as they will be after the load (copies; the optimizer's are not touched)."""
+    """The param groups as they will be after the load (copies; the optimizer's are not touched). A
+    group's ``state_format`` stays the optimizer's: it lays out the state, and a checkpoint's moments
+    (fp32 in every saved form) load into whatever format the optimizer keeps."""
     if len(saved_groups) != len(opt.param_groups):
         raise StateDictError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
                              f"{len(opt.param_groups)}")
@@ -57,8 +59,10 @@ def merged_groups(opt, saved_groups: list) -> list[dict]:
         if len(g["params"]) != len(s["params"]):
             raise StateDictError(f"param group {i} has {len(g['params'])} parameters, the state dict's "
                                  f"{len(s['params'])}")
-        merged = {k: copy.deepcopy(v) for k, v in s.items() if k != "params"}
+        merged = {k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "state_format")}
         merged["params"] = g["params"]
+        if "state_format" in g:
+            merged["state_format"] = g["state_format"]
         out.append(merged)
     return out
 

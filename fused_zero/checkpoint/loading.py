@@ -56,7 +56,7 @@ class Target:
 
 def _of_engine(engine) -> Target:
     engine.synchronize()  # the masters are compared with the parameters
-    masters = ["master" in engine.registry.where[pid][0].state for pid in range(len(engine.params))]
+    masters = ["master" in engine.registry.where[pid][0].names for pid in range(len(engine.params))]
     return Target(engine.opt, engine.algo, engine.params, masters, engine.world, engine.rank, engine.group,
                   engine.device)
 
@@ -180,9 +180,9 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     engine.synchronize()
     for shard in engine.shards():
         shard.init_master_from_params()
-        filled = {name: shard.state["master"] if name == "master" else
+        filled = {name: shard.values("master").clone() if name == "master" else
                   torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
-                  for name in shard.state}
+                  for name in shard.names}
         for piece in shard.layout.pieces(shard.layout.rank):
             pid = shard.layout.pids[piece.local]
             saved = entries[pid]
@@ -193,9 +193,8 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                 flat = memory_order(value.detach(), engine.params[pid])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
-        for name, region in filled.items():
-            if name != "master":  # encoded in the moments' format, block by block as an update would
-                shard.store_values(name, region)
+        for name, region in filled.items():  # moments encoded in their format, as an update would
+            shard.store_values(name, region)
     for pid, saved in entries.items():
         engine.steps[pid] = saved_step(engine, saved)
 

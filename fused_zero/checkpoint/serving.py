@@ -252,7 +252,7 @@ class CheckpointPeers:
         made on this thread's own stream once the last published step's updates are done (module
         docstring, GPU), the decoding included."""
         lo, _ = shard.layout.region_slice(shard.layout.rank)
-        device = shard.state[name].device
+        device = shard.device
         if device.type == "cpu":
             return shard.values(name)[lo:lo + shard.layout.shard].contiguous()
         if self._stream is None:

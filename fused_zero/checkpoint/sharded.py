@@ -64,7 +64,7 @@ def _dim_order(p: torch.Tensor) -> list[int] | None:
 
 def _describe(engine) -> dict:
     index = canonical.param_index(engine.opt)
-    return {"kind": engine.algo.kind, "state": sorted({_state_key(n) for s in engine.shards() for n in s.state}),
+    return {"kind": engine.algo.kind, "state": sorted({_state_key(n) for s in engine.shards() for n in s.names}),
             "shapes": {index[id(p)]: list(p.shape) for p in engine.params},
             "orders": {index[id(p)]: _dim_order(p) for p in engine.params}}
 
@@ -84,9 +84,9 @@ def sharded_state_dict(engine) -> dict:
                  for lo, hi, owner, _ in runs]
         entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
         if id(shard) not in decoded:
-            decoded[id(shard)] = {name: shard.values(name) for name in shard.state}
+            decoded[id(shard)] = {name: shard.values(name) for name in shard.names}
         for name, region in decoded[id(shard)].items():
-            live = region is shard.state[name]  # fp32: copies; decoded: views of the decoded copy
+            live = region is shard.live(name)  # fp32: copies; decoded: views of the decoded copy
             local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone() if live else
                                   region[off:off + m.shard_sizes[0]], m)
                             for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == me]
@@ -143,7 +143,7 @@ def _check(engine, sd):
         step = entry["step"]
         local = {"step": step}
         shard, loc = engine.registry.where[pid]
-        for name in shard.state:
+        for name in shard.names:
             st = entry[_state_key(name)]
             by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
             me = shard.layout.rank
@@ -161,7 +161,7 @@ def _check(engine, sd):
                 if not torch.equal(flat.to(p.dtype), params):
                     raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
                                          "the model's weights before the optimizer's state")
-        required = [_state_key(n) for n in shard.state] + ["step"]
+        required = [_state_key(n) for n in shard.names] + ["step"]
         checks.check_entry(engine, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
                                  required)
         values[pid] = local
@@ -174,7 +174,7 @@ def _apply(engine, groups, values) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     for shard in engine.shards():
-        names = list(shard.state)
+        names = shard.names
         regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
         me = shard.layout.rank
         for local, pid in enumerate(shard.layout.pids):
@@ -194,5 +194,5 @@ def _apply(engine, groups, values) -> None:
             for f, n in enumerate(names):
                 regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
-            if regions[name] is not shard.state[name]:
+            if regions[name] is not shard.live(name):
                 shard.store_values(name, regions[name])

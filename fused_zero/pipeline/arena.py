@@ -1,15 +1,15 @@
-"""One update launch per step and dtype (overlap modes ``backward`` and ``step``).
+"""One update launch per step, dtype and state format (overlap modes ``backward`` and ``step``).
 
 A launch needs one base pointer per buffer it reads. Three of them are ours and can be made one:
-once DDP's buckets are stable, every shard's state regions and parameter buffer of one dtype move into
-one allocation per state name and one for the parameters (the *arena*), so one row offset serves
-exp_avg, exp_avg_sq and the master alike. The gradients are DDP's, one allocation per bucket: the
-Triton backend addresses them from the lowest-addressed bucket buffer of the dtype with int64 element
-offsets ``(buffer.data_ptr() - base.data_ptr()) // element_size`` (never negative, since the base is
-the lowest; every row is checked here to stay inside its own bucket). The torch backend cannot index
-across allocations; it gets ``BucketGrads``, which maps the same kind of offsets back to the bucket
-buffers, so it still makes one ``update`` call per step and its per-run ops are those of the
-per-bucket path (bit-identical results).
+once DDP's buckets are stable, every shard's parameter buffer of one dtype moves into one allocation
+(the *arena*), and its state into one allocation per state format and name (the parts of shard.py),
+so one row offset serves exp_avg, exp_avg_sq and the master alike. The gradients are DDP's, one
+allocation per bucket: the Triton backend addresses them from the lowest-addressed bucket buffer of
+the dtype with int64 element offsets ``(buffer.data_ptr() - base.data_ptr()) // element_size`` (never
+negative, since the base is the lowest; every row is checked here to stay inside its own bucket). The
+torch backend cannot index across allocations; it gets ``BucketGrads``, which maps the same kind of
+offsets back to the bucket buffers, so it still makes one ``update`` call per step and its per-run
+ops are those of the per-bucket path (bit-identical results).
 
 Until the buckets are stable (DDP rebuilds them in the first one to three iterations) and in overlap
 mode ``bucket`` the engine keeps one launch per bucket over each shard's own allocations.
@@ -35,38 +35,72 @@ def _aligned(n: int) -> int:
 
 
 class Arena:
-    """One dtype's shards, their state and parameter buffers moved into one allocation each.
+    """One dtype's shards, their parameter buffers moved into one allocation, and their state into one
+    allocation per state format and name (a format's parts of every shard, see shard.py).
 
     Attributes:
         shards: the shards, in arena order.
-        state: state name -> tensor holding every shard's region (``shard.state[name]`` are views).
-        scales: 8-bit moments' scales of every shard back to back, in arena order, as the launch numbers
-            the rows of its table (``shard.scales[name]`` are views); else empty.
-        params: the tensor holding every shard's parameter buffer (``shard.param_buffer`` are views).
-        state_at, param_at, scale_at: each shard's first element in ``state``, ``params``, ``scales``.
+        params: the tensor holding every shard's parameter buffer (``shard.param_buffer`` are views);
+            ``param_at`` each shard's first element there.
+        formats: state format -> FormatState, in the order the shards' parts first name them.
     """
 
     def __init__(self, shards: list[BucketShard]):
         self.shards = shards
-        first = shards[0]
-        device, dtype = first.param_buffer.device, first.param_buffer.dtype
-        self.state_at, self.param_at, self.scale_at = [], [], []
-        n_state = n_param = n_scale = 0
+        device, dtype = shards[0].device, shards[0].param_buffer.dtype
+        self.param_at, n_param = [], 0
         for shard in shards:
-            self.state_at.append(n_state)
             self.param_at.append(n_param)
-            self.scale_at.append(n_scale)
-            n_state += _aligned(shard.layout.region_size)
             n_param += _aligned(shard.layout.numel)
-            n_scale += shard.table.shape[0]
+        self.params = torch.zeros(n_param, dtype=dtype, device=device)
+        self.formats: dict[str, FormatState] = {}
+        for shard in shards:
+            for part in shard.parts:
+                if part.format not in self.formats:
+                    self.formats[part.format] = FormatState(shards, part.format, device)
+        placed = {fmt: fs.views() for fmt, fs in self.formats.items()}
+        for k, (shard, po) in enumerate(zip(shards, self.param_at)):
+            shard.relocate([placed[part.format][k] for part in shard.parts],
+                           self.params[po:po + shard.layout.numel])
+
+
+class FormatState:
+    """One state format's parts of an arena's shards, back to back.
+
+    Attributes:
+        format: the state format.
+        state: state name -> tensor holding every shard's part (``part.state[name]`` are views).
+        scales: 8-bit moments' scales of every part back to back, in arena order, as the launch numbers
+            the rows of its table (``part.scales[name]`` are views); else empty.
+        parts: each shard's part of this format, or None; ``state_at`` / ``scale_at`` where each starts.
+    """
+
+    def __init__(self, shards: list[BucketShard], fmt: str, device: torch.device):
+        self.format = fmt
+        self.parts = [next((p for p in shard.parts if p.format == fmt), None) for shard in shards]
+        self.state_at, self.scale_at = [], []
+        n_state = n_scale = 0
+        for part in self.parts:
+            self.state_at.append(n_state)
+            self.scale_at.append(n_scale)
+            if part is not None:
+                n_state += _aligned(part.size)
+                n_scale += part.table.shape[0]
+        first = next(p for p in self.parts if p is not None)
         self.state = {name: torch.zeros(n_state, dtype=t.dtype, device=device) for name, t in first.state.items()}
         self.scales = {name: torch.zeros(n_scale, dtype=torch.float32, device=device) for name in first.scales}
-        self.params = torch.zeros(n_param, dtype=dtype, device=device)
-        for shard, so, po, ko in zip(shards, self.state_at, self.param_at, self.scale_at):
-            region, blocks = shard.layout.region_size, shard.table.shape[0]
-            shard.relocate({name: t[so:so + region] for name, t in self.state.items()},
-                           {name: t[ko:ko + blocks] for name, t in self.scales.items()},
-                           self.params[po:po + shard.layout.numel])
+
+    def views(self) -> list[tuple[dict, dict] | None]:
+        """Each shard's ``(state, scales)`` views for its part of this format (None: no such part)."""
+        out = []
+        for part, so, ko in zip(self.parts, self.state_at, self.scale_at):
+            if part is None:
+                out.append(None)
+                continue
+            blocks = part.table.shape[0]
+            out.append(({name: t[so:so + part.size] for name, t in self.state.items()},
+                        {name: t[ko:ko + blocks] for name, t in self.scales.items()}))
+        return out
 
 
 class BucketGrads:
@@ -91,20 +125,25 @@ class BucketGrads:
 
 
 class Launch:
-    """One update (and norm) launch over every shard of an arena, for given bucket buffers.
+    """One update launch over one state format's parts of every shard of an arena, for given bucket
+    buffers; the first format's launch of a dtype also carries the norm pass over all its shards.
 
     Attributes:
-        rows, segments: the update's rows over all shards (arena state and parameter offsets, gradient
+        fs: the arena's FormatState this launch updates.
+        rows, segments: the update's rows over all parts (arena state and parameter offsets, gradient
             offsets from the base bucket buffer); ``segments`` on the device (Triton backend only).
-        norm_rows, norm_segments: the rows whose gradients count towards the global norm.
+        norm_rows, norm_segments: the rows whose gradients count towards the global norm (empty but in
+            the first format's launch).
         base: index of the shard whose buffer is the gradients' base (Triton backend).
         ptrs: the buffers' addresses the gradient offsets were computed from.
-        cuts_like_shards: the rows cut every shard as its own table does (always, without 8-bit
+        cuts_like_shards: the rows cut every part as its own table does (always, without 8-bit
             moments); else the step takes one launch per bucket.
     """
 
-    def __init__(self, arena: Arena, buffers: list[torch.Tensor], backend: str, upload=None):
+    def __init__(self, arena: Arena, fmt: str, buffers: list[torch.Tensor], backend: str, upload=None):
         self.arena, self.backend = arena, backend
+        self.fs = fs = arena.formats[fmt]
+        with_norm = fmt == next(iter(arena.formats))
         self.ptrs = [b.data_ptr() for b in buffers]
         if backend == "triton":
             size = buffers[0].element_size()
@@ -121,18 +160,20 @@ class Launch:
                 pos += -(-(b.numel() + 1) // VEC) * VEC
         self.grad_at = grad_at
         self.rows, self.norm_rows = [], []
-        for shard, so, po, go, buf in zip(arena.shards, arena.state_at, arena.param_at, grad_at, buffers):
-            for rows, out in ((shard.rows, self.rows), (shard.norm_rows, self.norm_rows)):
+        for shard, part, so, po, go, buf in zip(arena.shards, fs.parts, fs.state_at, arena.param_at, grad_at,
+                                                buffers):
+            for rows, out in ((part.rows if part is not None else [], self.rows),
+                              (shard.norm_rows if with_norm else [], self.norm_rows)):
                 for s, n, p, g, pid, elem in rows:
                     if g + n > buf.numel():
                         raise ValueError(f"a row reaches element {g + n} of a bucket of {buf.numel()}")
                     out.append((so + s, n, po + p, go + g, pid, elem))
-        self.cuts_like_shards = not arena.scales or _cuts_like_shards(arena, self.rows)
+        self.cuts_like_shards = not fs.scales or _cuts_like_shards(fs, self.rows)
         # gradient offsets span several allocations: bounds are checked above, per bucket
         triton = backend == "triton"
         self.segments = Segments.build(self.rows, grad_across_allocations=True, upload=upload) if triton else None
         self.norm_segments = Segments.build(self.norm_rows, grad_across_allocations=True, upload=upload) \
-            if triton else None
+            if triton and self.norm_rows else None
 
     def matches(self, buffers: list[torch.Tensor]) -> bool:
         return len(buffers) == len(self.ptrs) and all(b.data_ptr() == p for b, p in zip(buffers, self.ptrs))
@@ -144,31 +185,32 @@ class Launch:
         return BucketGrads(buffers, self.grad_at)
 
 
-def _cuts_like_shards(arena: Arena, rows: list) -> bool:
-    """8-bit moments' scales are numbered by the launch's rows: the arena's table must cut every shard
-    exactly as the shard's own table does. It does when every offset keeps its alignment modulo VEC,
+def _cuts_like_shards(fs: FormatState, rows: list) -> bool:
+    """8-bit moments' scales are numbered by the launch's rows: the launch's table must cut every part
+    exactly as the part's own table does. It does when every offset keeps its alignment modulo VEC,
     which the arena's 32-element and the allocators' 64-byte (CPU) and 512-byte (CUDA) alignments
     give; bucket buffers that break it get one launch per bucket instead."""
     combined = row_table(rows)
-    if combined.shape[0] != sum(shard.table.shape[0] for shard in arena.shards):
+    parts = [(p, at) for p, at in zip(fs.parts, fs.scale_at) if p is not None]
+    if combined.shape[0] != sum(p.table.shape[0] for p, _ in parts):
         return False
-    return all(torch.equal(combined[at:at + shard.table.shape[0], [1, VECTOR]], shard.table[:, [1, VECTOR]])
-               for shard, at in zip(arena.shards, arena.scale_at))
+    return all(torch.equal(combined[at:at + p.table.shape[0], [1, VECTOR]], p.table[:, [1, VECTOR]])
+               for p, at in parts)
 
 
 class SingleLaunch:
     """The engine's entry point: packs the shards into arenas once the buckets are stable, and gives
-    each step's launches (one per dtype) when every shard of the step is in them.
+    each step's launches (one per dtype and state format) when every shard of the step is in them.
 
     Attributes:
         arenas: dtype -> Arena, built by ``pack``; empty until then.
-        launches: dtype -> Launch for the bucket buffers last seen.
+        launches: (dtype, state format) -> Launch for the bucket buffers last seen.
     """
 
     def __init__(self, registry, backend: str):
         self.registry, self.backend = registry, backend
         self.arenas: dict[torch.dtype, Arena] = {}
-        self.launches: dict[torch.dtype, Launch] = {}
+        self.launches: dict[tuple[torch.dtype, str], Launch] = {}
         self._reads = -1  # registry.bucket_reads when the last step ended
 
     def step_ended(self) -> bool:
@@ -191,8 +233,9 @@ class SingleLaunch:
         self.launches = {}
 
     def for_step(self, shards: list[BucketShard]) -> list[tuple[Launch, list[torch.Tensor]]] | None:
-        """``(launch, its bucket buffers)`` per dtype when ``shards`` (with their ``reduced_buffer``) are
-        exactly the arenas' shards; None when they are not (one launch per bucket then)."""
+        """``(launch, its bucket buffers)`` per dtype and state format when ``shards`` (with their
+        ``reduced_buffer``) are exactly the arenas' shards; None when they are not (one launch per
+        bucket then)."""
         if not self.arenas or len(shards) != sum(len(a.shards) for a in self.arenas.values()):
             return None
         index = {id(s): s for s in shards}
@@ -201,10 +244,12 @@ class SingleLaunch:
             if any(id(s) not in index for s in arena.shards):
                 return None
             buffers = [s.reduced_buffer for s in arena.shards]
-            launch = self.launches.get(dtype)
-            if launch is None or not launch.matches(buffers):
-                launch = self.launches[dtype] = Launch(arena, buffers, self.backend, self.registry.upload)
-            if not launch.cuts_like_shards:
-                return None
-            out.append((launch, buffers))
+            for fmt in arena.formats:
+                launch = self.launches.get((dtype, fmt))
+                if launch is None or not launch.matches(buffers):
+                    launch = self.launches[(dtype, fmt)] = Launch(arena, fmt, buffers, self.backend,
+                                                                  self.registry.upload)
+                if not launch.cuts_like_shards:
+                    return None
+                out.append((launch, buffers))
         return out

@@ -105,6 +105,8 @@ class Engine:
         self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
         self.options.check_params(self.params)
         self.pid_of = {p: i for i, p in enumerate(self.params)}
+        self.state_formats = [optimizer.param_groups[g].get("state_format", self.options.state_format)
+                              for g in self.group_of]  # each parameter's moment format, its group's
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         hooks.check_no_comm_hook(ddp)
@@ -122,7 +124,7 @@ class Engine:
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             upload=self.side.upload if self.backend == "triton" else None, device=self.device, topology=topo,
-            state_format=self.options.state_format)
+            state_formats=self.state_formats)
 
         # backward and step modes: one launch per step and dtype once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
@@ -300,13 +302,13 @@ def compile_kernels(e: Engine) -> None:
     stream, under the parameters' device guard, like every launch. Per dtype, before any shard
     exists: construction compiles before it changes anything."""
     with e.side.run(follow_current=True):
-        for dtype in {p.dtype for p in e.params}:
-            _compile_for(e, dtype)
+        for dtype, fmt in sorted({(p.dtype, f) for p, f in zip(e.params, e.state_formats)}, key=str):
+            _compile_for(e, dtype, fmt)
 
 
-def _compile_for(e: Engine, dtype: torch.dtype) -> None:
+def _compile_for(e: Engine, dtype: torch.dtype, fmt: str) -> None:
     one = lambda dt=torch.float32: torch.zeros(1, dtype=dt, device=e.device)  # noqa: E731
-    moments = DTYPES[e.options.state_format]
+    moments = DTYPES[fmt]
     state = {name: one(moments) for name in e.algo.state_names()}
     if e.options.keeps_master(dtype):
         state["master"] = one()

@@ -37,12 +37,13 @@ class ShardRegistry:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 upload, device: torch.device, topology, state_format: str = "fp32"):
+                 upload, device: torch.device, topology, state_formats: list[str]):
+        """``state_formats``: each parameter's moment format (its param group's), by optimizer index."""
         self.params = params
         self.state_names = state_names
         self.keeps_master = keeps_master
         self.upload = upload  # the kernels' row tables to the device (Triton backend), or None
-        self.state_format = state_format
+        self.state_formats = state_formats
         self.device = device
         # the shard group's (topology.py), and which rows count towards global sums (BucketShard.norm_rows)
         self.group, self.world, self.rank = topology.shard_group, topology.shard_size, topology.shard_rank
@@ -137,12 +138,13 @@ class ShardRegistry:
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
             master=self.keeps_master(dtype), device=self.device,
-            dtype=dtype, state_format=self.state_format, upload=self.upload, counts=self.counts)
+            dtype=dtype, state_formats=[self.state_formats[i] for i in layout.pids], upload=self.upload,
+            counts=self.counts)
 
     def _move_state(self, new: BucketShard) -> None:
         """Fill ``new``'s region with the state its parameters had, in one all_to_all: decoded to fp32
         from the old shards' formats, encoded into the new shard's (8-bit blocks follow the new rows)."""
-        names = list(new.state)
+        names = new.names
         if not names:
             return
         plan = reshard_plan(new.layout, {pid: (self.where[pid][0].layout, self.where[pid][1])

@@ -1,20 +1,100 @@
 """One DDP bucket as this rank holds it: the flat parameter buffer the bucket's parameters are views
 of, this rank's region of optimizer state, the kernel rows, and the handle of the all-gather that
 brings the updated parameters back. The gradient is not ours: the reduction runs in place in DDP's
-bucket buffer and the kernels read it there."""
+bucket buffer and the kernels read it there.
+
+The region's state is kept in *parts*, one per state format (``state_format``, set per param group)
+of the bucket's parameters. A bucket of one format has one part, region-shaped: slot ``i`` of its
+tensors is slot ``i`` of the region. A bucket mixing formats has one part per format, each holding
+only its parameters' runs, packed back to back: every run keeps its region offset modulo
+``PART_ALIGN``, so its kernel rows are cut (and its 8-bit blocks fall) exactly as they would in a
+region-shaped part, and the kernels, which index state by a row's offset, run unchanged on a part.
+``values`` and ``store_values`` translate between the region and the parts: everything outside the
+update (checkpoints, resharding) sees region-shaped fp32.
+"""
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..kernels import Segments, row_table
-from ..update.formats import DTYPES, store_values, values
+from ..update import formats
+from ..update.formats import DTYPES
 from .layout import BucketLayout
 from .strides import strided_view
+
+PART_ALIGN = 32
+"""A part's runs keep their region offsets modulo 32 elements (the arena's alignment, a multiple of the
+kernels' vector width)."""
+
+
+@dataclass
+class Part:
+    """The state of one format's parameters in a shard.
+
+    Attributes:
+        format: the moments' storage format (update/formats.py).
+        state: state name -> tensor of ``size`` slots in that format (fp32 ``"master"``).
+        scales: 8-bit moments' fp32 scales, one per row of ``table``; else empty.
+        rows: host kernel pieces indexing ``state`` (the shard's parameter and gradient offsets);
+            ``table`` their host row table (kernels.row_table); ``segments`` the same on the device.
+        spans: ``(region_off, part_off, length)`` runs: where the part's slots sit in the region.
+        size: slots of each state tensor.
+        region_shaped: the shard's only part: slot ``i`` is region slot ``i``.
+    """
+
+    format: str
+    state: dict
+    scales: dict
+    rows: list
+    table: torch.Tensor
+    segments: object
+    spans: list
+    size: int
+    region_shaped: bool
+
+    def region_values(self, name: str, out: torch.Tensor) -> None:
+        """Write this part's ``name`` decoded to fp32 into its slots of region-shaped ``out``."""
+        v = formats.values(self.state[name], self.scales.get(name), self.table, name)
+        for lo, at, n in self.spans:
+            out[lo:lo + n] = v[at:at + n]
+
+    def store_region(self, name: str, x: torch.Tensor) -> None:
+        """Encode this part's slots of region-shaped fp32 ``x`` into ``name``."""
+        t = self.state[name]
+        if self.region_shaped:
+            mine = x
+        else:
+            mine = torch.zeros(self.size, dtype=torch.float32, device=t.device)
+            for lo, at, n in self.spans:
+                mine[at:at + n] = x[lo:lo + n]
+        formats.store_values(t, self.scales.get(name), self.table, name, mine)
+
+
+def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]:
+    """``(rows, spans, size)`` of one part from its region pieces ``(region_off, length, ...)`` in
+    region order: the region itself where the part is the shard's only one, else the pieces' runs
+    packed, each at its region offset modulo PART_ALIGN."""
+    if single:
+        return list(pieces), [(0, 0, size)], size
+    rows, spans, at = [], [], 0
+    for piece in pieces:
+        so, n = piece[0], piece[1]
+        if spans and spans[-1][0] + spans[-1][2] == so:  # contiguous with the previous run
+            lo, start, m = spans[-1]
+            spans[-1] = (lo, start, m + n)
+            new = start + m
+        else:
+            new = at + (so - at) % PART_ALIGN
+            spans.append((so, new, n))
+        rows.append((new, n, *piece[2:]))
+        at = new + n
+    return rows, spans, at
 
 
 class BucketShard:
@@ -25,46 +105,58 @@ class BucketShard:
             gradient, without a new array per bucket and step).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
-        state: region-shaped tensors, one per state name, in the moments' storage format
-            (update/formats.py), and fp32 ``"master"`` with master weights.
-        scales: 8-bit moments' fp32 scales, one per row of the kernel table (``table``); else empty.
-        rows: host kernel pieces; ``table`` their host row table (kernels.row_table); ``segments`` the
-            same on the device (Triton backend only).
+        names: the state names (``"master"`` last, with master weights).
+        parts: the state, one Part per format of the bucket's parameters (module docstring).
         norm_rows / norm_segments: the rows whose gradients count towards the global norm and the
             non-finite count: each element once over DDP's group, so the slice on the first replica only
-            and the replicated tail on one rank (``counts``, from pipeline/topology.py).
+            and the replicated tail on one rank (``counts``, from pipeline/topology.py). Gradients only:
+            their state offsets are the region's.
         gather: the pending all-gather's Work, or None.
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
-                 master: bool, device: torch.device, dtype: torch.dtype, state_format: str = "fp32",
+                 master: bool, device: torch.device, dtype: torch.dtype, state_formats: list[str],
                  upload=None, counts: tuple[bool, bool] | None = None):
+        """``state_formats``: each parameter's, in bucket order."""
         self.layout = layout
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-        moments = DTYPES[state_format]
-        self.state = {name: torch.zeros(layout.region_size, dtype=moments, device=device) for name in state_names}
-        if master:
-            self.state["master"] = torch.zeros(layout.region_size, dtype=torch.float32, device=device)
+        self.names = list(state_names) + (["master"] if master else [])
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
-        self.rows = [(so, n, po, go, layout.pids[local], elem)
-                     for so, n, po, go, local, elem in layout.rows()]
-        self.table = row_table(self.rows)
-        self.scales = {name: torch.zeros(self.table.shape[0], dtype=torch.float32, device=device)
-                       for name in state_names} if moments == torch.uint8 else {}
+        rows, by_format = [], {}
+        for so, n, po, go, local, elem in layout.rows():
+            rows.append((so, n, po, go, layout.pids[local], elem))
+            by_format.setdefault(state_formats[local], []).append(rows[-1])
+        self.parts = [self._part(fmt, pieces, len(by_format) == 1, state_names, device, upload)
+                      for fmt, pieces in by_format.items()]
         counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
-        self.norm_rows = [r for r in self.rows if (counts_slice if r[0] < tail_at else counts_tail)]
-        self.segments = Segments.build(self.rows, upload=upload) if upload is not None else None
+        self.norm_rows = [r for r in rows if (counts_slice if r[0] < tail_at else counts_tail)]
         self.norm_segments = Segments.build(self.norm_rows, upload=upload) if upload is not None else None
         self.gather: dist.Work | None = None
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # kept until the step has run
+
+    def _part(self, fmt: str, pieces: list, single: bool, state_names: list[str], device, upload) -> Part:
+        rows, spans, size = _part_spans(pieces, self.layout.region_size, single)
+        moments = DTYPES[fmt]
+        state = {name: torch.zeros(size, dtype=moments, device=device) for name in state_names}
+        if "master" in self.names:
+            state["master"] = torch.zeros(size, dtype=torch.float32, device=device)
+        table = row_table(rows)
+        scales = {name: torch.zeros(table.shape[0], dtype=torch.float32, device=device)
+                  for name in state_names} if moments == torch.uint8 else {}
+        segments = Segments.build(rows, upload=upload) if upload is not None else None
+        return Part(fmt, state, scales, rows, table, segments, spans, size, single)
+
+    @property
+    def device(self) -> torch.device:
+        return self.param_buffer.device
 
     def bind_params(self) -> None:
         """Copy the parameters' current values into the flat buffer and make them views of it, each
@@ -74,26 +166,25 @@ class BucketShard:
             view.copy_(p.data)
             p.data = view
 
-    def relocate(self, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-                 param_buffer: torch.Tensor) -> None:
-        """Move the state, the scales and the parameter buffer into the given tensors (views of an
-        arena, see arena.py), values included, and make the parameters views of the new buffer. No
-        gather or update of this shard may be pending."""
-        for name, view in state.items():
-            view.copy_(self.state[name])
-        for name, view in scales.items():
-            view.copy_(self.scales[name])
-        self.state, self.scales = state, scales
+    def relocate(self, parts: list[tuple[dict, dict]], param_buffer: torch.Tensor) -> None:
+        """Move each part's state and scales into the given tensors (``(state, scales)`` per part: views
+        of an arena, see arena.py) and the parameter buffer into ``param_buffer``, values included, and
+        make the parameters views of the new buffer. No gather or update of this shard may be pending."""
+        for part, (state, scales) in zip(self.parts, parts):
+            for name, view in state.items():
+                view.copy_(part.state[name])
+            for name, view in scales.items():
+                view.copy_(part.scales[name])
+            part.state, part.scales = state, scales
         self.param_buffer = param_buffer
         self.bind_params()
 
     def init_master_from_params(self) -> None:
-        master = self.state.get("master")
-        if master is None:
-            return
-        for so, n, po, *_ in self.layout.rows():
-            master[so:so + n].copy_(self.param_buffer[po:po + n])
-
+        for part in self.parts:
+            master = part.state.get("master")
+            if master is not None:
+                for so, n, po, *_ in part.rows:
+                    master[so:so + n].copy_(self.param_buffer[po:po + n])
     def completed(self, buffer: torch.Tensor) -> torch.futures.Future:
         """A completed Future of ``buffer``, what the comm hook returns where DDP need not wait: made once
         per buffer and returned every iteration (DDP only waits on it and reads its value)."""
@@ -110,13 +201,32 @@ class BucketShard:
         if work is not None:
             work.wait()
 
+    def live(self, name: str) -> torch.Tensor | None:
+        """The region-shaped fp32 tensor that holds ``name`` itself, where there is one (one part, and
+        ``name`` stored in fp32); else None."""
+        if len(self.parts) == 1 and self.parts[0].state[name].dtype == torch.float32:
+            return self.parts[0].state[name]
+        return None
+
     def values(self, name: str) -> torch.Tensor:
-        """One state tensor's region decoded to fp32 (the tensor itself when stored in fp32)."""
-        return values(self.state[name], self.scales.get(name), self.table, name)
+        """One state name's region decoded to fp32 (``live(name)`` itself where there is one; slots no
+        row covers: 0)."""
+        live = self.live(name)
+        if live is not None:
+            return live
+        out = torch.zeros(self.layout.region_size, dtype=torch.float32, device=self.device)
+        for part in self.parts:
+            part.region_values(name, out)
+        return out
 
     def store_values(self, name: str, x: torch.Tensor) -> None:
-        """Encode fp32 region values ``x`` into one state tensor, as an update would."""
-        store_values(self.state[name], self.scales.get(name), self.table, name, x)
+        """Encode fp32 region values ``x`` into one state name, as an update would."""
+        for part in self.parts:
+            part.store_region(name, x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of optimizer state this shard holds: each part's state and scales."""
+        return [t for part in self.parts for t in (*part.state.values(), *part.scales.values())]
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.state.values(), *self.scales.values()))
+        return sum(t.numel() * t.element_size() for t in self.tensors())

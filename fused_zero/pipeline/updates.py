@@ -25,8 +25,9 @@ from .step_counts import Pending
 
 @dataclass
 class Unit:
-    """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets it
-    updates with their device-side used flags (or None)."""
+    """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets
+    whose updates end with it, with their device-side used flags (or None): a bucket's state may take
+    several launches (one per state format), and its all-gather starts after the last."""
 
     rows: list
     segments: object
@@ -52,6 +53,7 @@ class Updates:
     def side(self):
         """The engine's side stream (read each time: tests swap in a recording one)."""
         return self.engine.side
+
     def finish(self, it, count: int, max_norm: float | None = None, follow: bool = False,
                each_bucket: bool = False) -> None:
         """Wait for the first ``count`` ready reductions of iteration ``it`` and update those buckets.
@@ -124,20 +126,29 @@ class Updates:
                 self._start_gather(shard)  # a skipped update gathers the unchanged parameters
 
     def _launch_units(self, it, items: list[Reduced], coefs: tuple, used: tuple) -> list[Unit]:
-        """The launches that update ``items``: one per dtype when the arenas hold exactly these shards
-        and one coefficient table serves them all, else one per bucket."""
+        """The launches that update ``items``: one per dtype and state format when the arenas hold
+        exactly these shards and one coefficient table serves them all, else one per bucket and state
+        format. The norm pass reads each bucket's gradients once, in the first launch of its bucket or
+        its dtype."""
         single = self.engine.single
         launches = single.for_step([item.shard for item in items]) if single else None
         table = self._one_table(it, items, coefs) if launches is not None else None
         if table is None:
-            return [Unit(s.rows, s.segments, s.norm_rows, s.norm_segments, t, s.reduced_buffer, s.param_buffer,
-                         s.state, s.scales, [(item, flags)])
-                    for item, t, flags, s in zip(items, coefs, used, (item.shard for item in items))]
-        return [Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
-                     launch.grad(buffers), launch.arena.params, launch.arena.state, launch.arena.scales,
-                     [(item, flags) for item, flags in zip(items, used)
-                      if item.shard.param_buffer.dtype == launch.arena.params.dtype])
-                for launch, buffers in launches]
+            units = []
+            for item, t, flags in zip(items, coefs, used):
+                s = item.shard
+                for k, part in enumerate(s.parts):
+                    units.append(Unit(part.rows, part.segments, s.norm_rows if k == 0 else [],
+                                      s.norm_segments if k == 0 else None, t, s.reduced_buffer, s.param_buffer,
+                                      part.state, part.scales, [(item, flags)] if k == len(s.parts) - 1 else []))
+            return units
+        units = [Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
+                      launch.grad(buffers), launch.arena.params, launch.fs.state, launch.fs.scales, [])
+                 for launch, buffers in launches]
+        last = {id(launch.arena): unit for (launch, _), unit in zip(launches, units)}
+        for item, flags in zip(items, used):
+            last[id(single.arenas[item.shard.param_buffer.dtype])].items.append((item, flags))
+        return units
 
     def _one_table(self, it, items: list[Reduced], coefs: tuple) -> torch.Tensor | None:
         """One coefficient table for every bucket of the step (a parameter is in one bucket only): the
@@ -160,6 +171,8 @@ class Updates:
         e = self.engine
         stats = torch.zeros(3, dtype=torch.float32, device=e.device)
         for unit in units:
+            if not unit.norm_rows:
+                continue
             sumsq, bad = e.algo.grad_sumsq(e.backend, unit.norm_rows, unit.norm_segments, unit.table,
                                            unit.grad, it.grad_scale)
             stats[0] += sumsq

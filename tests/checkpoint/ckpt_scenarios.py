@@ -78,7 +78,7 @@ def snapshot(opt, model) -> dict:
     eng = opt._engine
     eng.synchronize()
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "regions": [{n: t.clone() for n, t in s.state.items()} for s in eng.shards()],
+            "regions": [{n: s.values(n).clone() for n in s.names} for s in eng.shards()],
             "steps": eng.steps.copy(), "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
                                                                   for g in opt.param_groups])}
 

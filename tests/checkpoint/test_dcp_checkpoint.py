@@ -43,7 +43,7 @@ def measure_save_memory(rank, world, path):
         opt.step()
         opt.zero_grad()
     eng = opt._engine
-    own = sum(t.numel() * t.element_size() for s in eng.shards() for t in s.state.values())
+    own = sum(s.state_bytes() for s in eng.shards())
     bucket = max(s.layout.numel for s in eng.shards()) * 4
     full = sum(p.numel() for p in model.parameters()) * 4 * len(eng.algo.state_names())
     peak = peak_bytes(lambda: dcp.save(opt.sharded_state_dict(), checkpoint_id=path))

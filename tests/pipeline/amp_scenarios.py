@@ -190,8 +190,8 @@ def _check_finite_and_agree(model, opt, step) -> None:
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     assert torch.isfinite(flat).all(), f"step {step}: a non-finite parameter"
     for shard in opt._engine.shards():
-        for name, t in shard.state.items():
-            assert torch.isfinite(t).all(), f"step {step}: non-finite {name}"
+        for name in shard.names:
+            assert torch.isfinite(shard.values(name)).all(), f"step {step}: non-finite {name}"
     _check_ranks_agree(model, step)
 
 

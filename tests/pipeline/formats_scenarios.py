@@ -21,6 +21,7 @@ in DDP's order (1 and 2 ranks, all_reduce at 4): the comparison is then ``torch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -52,11 +53,29 @@ class FormatCase:
     seed: int = 11
     backend: str = "torch"  # "triton": the kernels, interpreted on the CPU
     shard: int | None = None  # shard_group=: shards of this many consecutive ranks, replicated across
+    # param groups, each with its own state_format (None: the group sets none, so the optimizer's
+    # state_format): parameter i joins group i % len(groups), so every bucket mixes formats
+    groups: tuple = ()
+    bucket_cap_mb: float = 0.0001  # DDP's: one parameter a bucket; 0.002 (500 fp32) gathers several
 
     def name(self) -> str:
-        return (f"{self.opt}-{self.state_format}{'-sr' if self.stochastic else ''}{'-ams' if self.amsgrad else ''}"
+        fmt = "+".join(f or self.state_format for f in self.groups) if self.groups else self.state_format
+        return (f"{self.opt}-{fmt}{'-sr' if self.stochastic else ''}{'-ams' if self.amsgrad else ''}"
                 f"-{self.overlap}-{self.grad_reduce}{'-same' if self.same_data else ''}-{self.backend}"
-                f"{f'-shard{self.shard}' if self.shard else ''}")
+                f"{f'-shard{self.shard}' if self.shard else ''}{f'-cap{self.bucket_cap_mb}' if self.groups else ''}")
+
+
+def grouping(case: FormatCase, n: int) -> list[list[int]]:
+    """The parameters' indices (among those requiring grad, in model order) of each param group."""
+    k = max(len(case.groups), 1)
+    return [[i for i in range(n) if i % k == g] for g in range(k)]
+
+
+def formats_of(case: FormatCase, n: int) -> list[str]:
+    """Each parameter's moment format, by optimizer index (group order)."""
+    if not case.groups:
+        return [case.state_format] * n
+    return [f or case.state_format for f, ids in zip(case.groups, grouping(case, n)) for _ in ids]
 
 
 def build(case: FormatCase):
@@ -68,15 +87,22 @@ def build(case: FormatCase):
     if case.stochastic:
         model.bfloat16()
         ref.bfloat16()
-    kw = dict(bucket_cap_mb=0.0001)
+    kw = dict(bucket_cap_mb=case.bucket_cap_mb)
     ddp, ref_ddp = DDP(model, **kw), DDP(ref, **kw)
     hp = dict(HPARAMS[case.opt], **({"amsgrad": True} if case.amsgrad else {}))
-    opt = getattr(fused_zero, case.opt)(ddp.parameters(), ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
+    trained = [p for p in model.parameters() if p.requires_grad]
+    ids = grouping(case, len(trained))
+    groups = [dict({"params": [trained[i] for i in g]}, **({"state_format": f} if f else {}))
+              for g, f in zip(ids, case.groups)] if case.groups else ddp.parameters()
+    opt = getattr(fused_zero, case.opt)(groups, ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
                                         state_format=case.state_format, stochastic_rounding=case.stochastic,
                                         seed=case.seed, backend=case.backend, shard_group=case.shard, **hp)
     params = [p for p in ref.parameters() if p.requires_grad]
+    params = [params[i] for g in ids for i in g]  # optimizer order: group by group
     work = [p.detach().float().requires_grad_(True) for p in params] if case.stochastic else params
-    ref_opt = getattr(torch.optim, case.opt)(work, foreach=False, **hp)
+    ends = list(itertools.accumulate(len(g) for g in ids))
+    ref_opt = getattr(torch.optim, case.opt)([{"params": work[a:b]} for a, b in itertools.pairwise([0, *ends])],
+                                             foreach=False, **hp)
     return model, ddp, opt, ref, ref_ddp, ref_opt, params, work
 
 
@@ -94,16 +120,16 @@ def blocks(opt) -> dict[int, list[tuple[int, int]]]:
 
 
 def through_format(ref_opt, work, case: FormatCase, layout_blocks) -> None:
-    """Put the oracle's moments through the format."""
-    for pid, p in enumerate(work):
+    """Put the oracle's moments through each one's format."""
+    for pid, (p, fmt) in enumerate(zip(work, formats_of(case, len(work)))):
         state = ref_opt.state.get(p, {})
         for name, t in state.items():
             if name == "step" or not isinstance(t, torch.Tensor):
                 continue
             flat = t.view(-1)
-            if case.state_format == "bf16":
+            if fmt == "bf16":
                 flat.copy_(flat.to(torch.bfloat16).float())
-            elif case.state_format == "int8":
+            elif fmt == "int8":
                 for lo, hi in layout_blocks[pid]:
                     x = flat[lo:hi]
                     s = x.abs().max()

@@ -5,6 +5,7 @@ and the refusals. The kernels' side of the formats is test_kernel_exact.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -53,6 +54,41 @@ def test_formats_in_shard_groups():
     blocks and, with stochastic rounding, the same bits (the element's index, not the rank, draws them)."""
     names = [c.name() for c in SHARDED]
     assert run_ranks(run_format_cases, 4, SHARDED) == [names] * 4
+
+
+# per param group: parameter i in group i % k, so DDP's buckets (500 fp32 elements) mix the formats
+MIXED = ([FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap=m, grad_reduce=r, bucket_cap_mb=0.002)
+          for m, r in MODES]
+         + [FormatCase(opt="SGD", groups=("bf16", "int8"), overlap="step", bucket_cap_mb=0.002),
+            FormatCase(groups=("int8", None), state_format="bf16", stochastic=True, overlap="backward",
+                       bucket_cap_mb=0.002),
+            FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap="backward", backend="triton",
+                       bucket_cap_mb=0.002),
+            FormatCase(groups=(None, "int8"), state_format="bf16", amsgrad=True, overlap="step",
+                       grad_reduce="all_reduce", backend="triton", bucket_cap_mb=0.002),
+            FormatCase(groups=("int8", "bf16"), overlap="bucket")])  # DDP's smallest buckets
+
+
+def _mixed(rank, world, cases):
+    out = []
+    for case in cases:
+        opt = train(case, rank, world)[2]
+        out.append((case.name(), max(len(s.parts) for s in opt._engine.shards())))
+        opt._engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_formats_per_param_group(world):
+    """Each group's moments in its own format, its oracle's, in every overlap mode and both reductions
+    (at 2 ranks; a few at 1 and 4), with DDP's buckets holding several formats at once."""
+    cases = MIXED if world == 2 else MIXED[::3]
+    outs = run_ranks(_mixed, world, cases)
+    for out in outs:
+        assert [name for name, _ in out] == [c.name() for c in cases]
+        for (name, most), case in zip(out, cases):
+            if case.bucket_cap_mb > 0.001 and world == 2:  # some rank's region holds every format
+                assert most == len(set(f or case.state_format for f in case.groups)), (name, most)
 
 
 def _oracle_off(rank, world):
@@ -146,7 +182,7 @@ def test_a_resume_continues_as_its_oracle():
 
 def stored(opt) -> list[torch.Tensor]:
     """Every shard's stored state: codes (or bf16 moments) and scales."""
-    return [t for s in opt._engine.shards() for t in (*s.state.values(), *s.scales.values())]
+    return [t for s in opt._engine.shards() for t in s.tensors()]
 
 
 def _checkpoints(rank, world, path):
@@ -201,19 +237,19 @@ def test_checkpoints_in_both_forms(tmp_path):
         assert all(v is True for v in out.values()), [(k, v) for k, v in out.items() if v is not True]
 
 
-def _save(rank, world, state_format, path):
+def _save(rank, world, case, path):
     import torch.distributed.checkpoint as dcp
-    built = train(FormatCase(state_format=state_format, steps=3), rank, world)
+    built = train(dataclasses.replace(case, steps=3), rank, world)
     dcp.save(built[2].sharded_state_dict(), checkpoint_id=path)
     out = (built[0].state_dict(), built[2].state_dict())
     built[2]._engine.close()
     return out
 
 
-def _load_both_ways(rank, world, state_format, path, weights, canonical_sd):
+def _load_both_ways(rank, world, case, path, weights, canonical_sd):
     """The DCP checkpoint and the canonical dict of one run, loaded here: the same stored state."""
     import torch.distributed.checkpoint as dcp
-    by_dict, by_dcp = build(FormatCase(state_format=state_format)), build(FormatCase(state_format=state_format))
+    by_dict, by_dcp = build(case), build(case)
     for b in (by_dict, by_dcp):
         b[0].load_state_dict(weights)
     by_dict[2].load_state_dict(canonical_sd)
@@ -226,13 +262,43 @@ def _load_both_ways(rank, world, state_format, path, weights, canonical_sd):
     return same
 
 
-@pytest.mark.parametrize("state_format", ["bf16", "int8"])
-def test_dcp_loads_at_another_world_size(tmp_path, state_format):
+@pytest.mark.parametrize("case", [FormatCase(state_format="bf16"), FormatCase(state_format="int8"), MIXED[0]],
+                         ids=lambda c: c.name())
+def test_dcp_loads_at_another_world_size(tmp_path, case):
     """Saved at 2 ranks, loaded at 1 and 4: what the canonical dict of the same run loads to."""
-    path = str(tmp_path / state_format)
-    weights, sd = run_ranks(_save, 2, state_format, path)[0]
+    path = str(tmp_path / "checkpoint")
+    weights, sd = run_ranks(_save, 2, case, path)[0]
     for world in (1, 4):
-        assert run_ranks(_load_both_ways, world, state_format, path, weights, sd) == [True] * world
+        assert run_ranks(_load_both_ways, world, case, path, weights, sd) == [True] * world
+
+
+def _mixed_checkpoint(rank, world):
+    """Per param group: the canonical dict records each group's format, loads into an fp32 optimizer
+    as it is, and comes back to the same codes; the groups keep their own formats through a load."""
+    case = dataclasses.replace(MIXED[0], steps=3)
+    built = train(case, rank, world)
+    opt = built[2]
+    sd = opt.state_dict()
+    out = {"recorded": sd.get("fused_zero") == {"state_format": ["int8", "bf16", "fp32"]}}
+    codes = [t.clone() for t in stored(opt)]
+    fp32 = build(dataclasses.replace(case, groups=(None, None, None)))
+    fp32[0].load_state_dict(built[0].state_dict())
+    fp32[2].load_state_dict(sd)
+    back = fp32[2].state_dict()
+    out["into fp32"] = all(torch.equal(back["state"][i][k], v) for i, e in sd["state"].items() for k, v in e.items())
+    out["fp32 stays fp32"] = "fused_zero" not in back and all("state_format" not in g for g in back["param_groups"])
+    opt.load_state_dict(back)
+    out["back, the same codes"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
+    out["groups keep their formats"] = [g.get("state_format") for g in opt.param_groups] == ["int8", "bf16", None]
+    train(case, rank, world, built=built, start=4, steps=2)  # and it trains on as its oracle
+    for b in (built, fp32):
+        b[2]._engine.close()
+    return out
+
+
+def test_per_group_formats_through_the_canonical_dict():
+    for out in run_ranks(_mixed_checkpoint, 2):
+        assert all(v is True for v in out.values()), [(k, v) for k, v in out.items() if v is not True]
 
 
 def _refusals(rank, world):
@@ -245,10 +311,10 @@ def _refusals(rank, world):
            raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True, master_weights=True),
                   ValueError, "master_weights=True"),
            raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, seed=-1), ValueError, "seed"),
-           # one format per optimizer: a param group's own is refused, never silently ignored
-           raises(lambda: fused_zero.AdamW([{"params": [model.weight], "state_format": "int8"},
-                                            {"params": [model.bias]}], ddp=ddp),
-                  ValueError, "param group 0 sets state_format"),
+           # a param group's own format is checked when the group is added, before any DDP
+           raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
+                                            {"params": [model.bias], "state_format": "int4"}]),
+                  ValueError, "param group 1 sets state_format='int4': choose one of 'fp32', 'bf16', 'int8'"),
            raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
                                             {"params": [model.bias], "stochastic_rounding": True}]),
                   ValueError, "pass stochastic_rounding=... to the optimizer")]
