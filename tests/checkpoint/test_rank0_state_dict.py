@@ -192,7 +192,9 @@ def between_steps(rank, world):
     # whatever the steps do, and taking nothing: a message for it would have to be posted first)
     listener = [n for n in inbox.listening.names[before[1]:] if n != "wait"]
     out["store_requests_steps_10_to_14"] = inbox.store.requests - before[0] + len(listener)
+    dist.barrier()  # both ranks are past their steps: then count, before rank 0 asks again below
     out["messages_posted_steps_10_to_14"] = sum(inbox.store.inner.add(f"{r}/n", 0) for r in range(world)) - sum(posted)
+    dist.barrier()
     if rank == 0:
         _assert_matches_torch(second_opt.state_dict(), second_ref_opt)
     return out
