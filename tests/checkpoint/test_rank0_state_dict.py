@@ -252,11 +252,11 @@ def misuses(rank, world):
     out["to_out_of_range"] = _error_of(lambda: opt.state_dict(to=2), ValueError)[0]
 
     # a requester ahead at attach: rank 0 asks for a new optimizer's state as soon as it is built, while
-    # rank 1 registers it 1 s later (its attach is slower); rank 1 serves it once it has
+    # rank 1 registers it 0.5 s later (its attach is slower); rank 1 serves it once it has
     second = DDP(nn.Linear(8, 4))
     peers_for = serving.peers_for
     if rank == 1:
-        serving.peers_for = lambda engine: (time.sleep(1.0), peers_for(engine))[1]
+        serving.peers_for = lambda engine: (time.sleep(0.5), peers_for(engine))[1]
     try:
         opt2 = fused_zero.AdamW(second.parameters(), lr=1e-3, ddp=second)
     finally:
