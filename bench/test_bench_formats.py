@@ -16,6 +16,8 @@ parameter dtype (fp32 or bf16p-fp32), from the same run.
     bf16p-bf16      bf16 parameters, fp32 masters, bf16 moments
     bf16p-int8      bf16 parameters, fp32 masters, 8-bit moments
     bf16p-int8-sr   bf16 parameters, no master (stochastic rounding), 8-bit moments
+    int8-matrices   fp32 parameters; per param group: 8-bit moments for the matrices, fp32 for the
+                    norms and biases (every bucket mixes the two: one state part each)
 
     pytest bench/test_bench_formats.py --benchmark-json out.json
 """
@@ -37,6 +39,7 @@ FORMATS = {  # name: (parameter dtype, options)
     "bf16p-bf16": (torch.bfloat16, {"master_weights": True, "state_format": "bf16"}),
     "bf16p-int8": (torch.bfloat16, {"master_weights": True, "state_format": "int8"}),
     "bf16p-int8-sr": (torch.bfloat16, {"master_weights": False, "stochastic_rounding": True, "state_format": "int8"}),
+    "int8-matrices": (torch.float32, {"matrices": "int8"}),
 }
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 30 if CUDA else 12))
@@ -62,7 +65,12 @@ def _rank_main(rank: int, world: int) -> dict:
         model = model.to(device, dtype)
         ddp = DDP(model, bucket_cap_mb=25.0, gradient_as_bucket_view=True,
                   device_ids=[device.index] if CUDA else None)
-        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1, ddp=ddp, overlap="step", **options)
+        options = dict(options)
+        matrices = options.pop("matrices", None)
+        params = ddp.parameters() if matrices is None else [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "state_format": matrices},
+            {"params": [p for p in model.parameters() if p.dim() < 2]}]
+        opt = fused_zero.AdamW(params, lr=1e-3, weight_decay=0.1, ddp=ddp, overlap="step", **options)
         systems[name] = (model, ddp, opt)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(65, (4, 64), generator=g).to(device)
