@@ -58,6 +58,9 @@ def configs():
     out += [dict(overlap=overlap, grad_reduce=reduce, scaler=False, param_sync="forward", find_unused=False,
                  state_format="int8") for overlap, reduce in itertools.product(
                      ("bucket", "backward", "step"), ("reduce_scatter", "all_reduce"))]
+    # per param group formats: buckets of several parameters, each holding int8, bf16 and fp32 parts
+    out += [dict(overlap=overlap, grad_reduce="reduce_scatter", scaler=False, param_sync="forward", find_unused=False,
+                 mixed=True) for overlap in ("bucket", "backward", "step")]
     return out
 
 
@@ -67,10 +70,14 @@ def train(rank, cfg, checker, steps=STEPS):
     model = OddNet()
     if not cfg["find_unused"]:
         model.never.requires_grad_(False)
-    ddp = DDP(model, bucket_cap_mb=0.0001, find_unused_parameters=cfg["find_unused"])
+    ddp = DDP(model, bucket_cap_mb=0.002 if cfg.get("mixed") else 0.0001, find_unused_parameters=cfg["find_unused"])
+    params = ddp.parameters()
+    if cfg.get("mixed"):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        params = [{"params": trained[k::3], "state_format": f} for k, f in enumerate(("int8", "bf16", "fp32"))]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if cfg["scaler"] else None
     edits = cfg["overlap"] == "step" and cfg["grad_reduce"] == "all_reduce"  # where param.grad edits count
-    opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, lr=1e-2, overlap=cfg["overlap"],
+    opt = fused_zero.AdamW(params, ddp=ddp, lr=1e-2, overlap=cfg["overlap"],
                            grad_reduce=cfg["grad_reduce"], param_sync=cfg["param_sync"], grad_scaler=scaler,
                            backend=cfg.get("backend", "auto"), state_format=cfg.get("state_format", "fp32"),
                            shard_group=cfg.get("shard"), grad_reduce_dtype=cfg.get("reduce_dtype"))
@@ -139,7 +146,7 @@ def matrix():
 
 
 def test_no_stream_order_hazard_in_any_configuration(matrix):
-    assert len(configs()) == 46
+    assert len(configs()) == 49
     for rank, failures in enumerate(matrix):
         assert not failures, f"rank {rank}, {len(failures)} of 46 configurations:\n" + "\n\n".join(
             f"{cfg}:\n{what}" for cfg, what in list(failures.items())[:3])
