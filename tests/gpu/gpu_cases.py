@@ -247,6 +247,32 @@ def case_engine_world1():
     run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
 
 
+def _formats(rank, world):
+    """Compact state with the compiled kernels: bf16 and 8-bit moments, per-group formats in mixed
+    buckets, stochastic rounding, each against its oracle (tests/pipeline/formats_scenarios.py: torch.optim
+    with its moments put through the format), within the tolerance of the interpreted-kernel cases."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "pipeline"))
+    from formats_scenarios import FormatCase, train
+
+    cases = [FormatCase(state_format=f, overlap=o, backend="triton", device="cuda", steps=8)
+             for f in ("bf16", "int8") for o in ("bucket", "backward", "step")]
+    cases += [FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap="step", backend="triton",
+                         device="cuda", bucket_cap_mb=0.002, steps=8),
+              FormatCase(state_format="int8", stochastic=True, overlap="backward", backend="triton", device="cuda",
+                         steps=8),
+              FormatCase(state_format="bf16", opt="SGD", overlap="bucket", backend="triton",
+                         device="cuda", steps=8)]
+    for case in cases:
+        opt = train(case, rank, world)[2]
+        opt._engine.close()
+
+
+def case_formats():
+    from fused_zero.demo.spawn import run_ranks
+
+    run_ranks(_formats, 1, backend="nccl", timeout=300)
+
+
 class _HostWaits:
     """Counts the host waits torch's sync debug mode does not flag (an event's or a stream's
     ``synchronize()``, ``torch.cuda.synchronize()``) while installed."""

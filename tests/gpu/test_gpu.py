@@ -1,5 +1,6 @@
-"""The CUDA path on a GPU: the kernels, the engine at world 1, ranks sharing one GPU over gloo, NCCL on
-2+ GPUs, and the engine under torch's CUDA sanitizer. Skipped, with the reason, where CUDA is absent.
+"""The CUDA path on a GPU: the kernels, the engine at world 1, the compact state formats, ranks sharing
+one GPU over gloo, NCCL on 2+ GPUs, and the engine under torch's CUDA sanitizer. Skipped, with the
+reason, where CUDA is absent.
 
 Each case runs in its own process (gpu_cases.py) without ``TRITON_INTERPRET``: tests/conftest.py turns
 the interpreter on for the CPU tests, and Triton reads it once per process, so the GPU cases could not
@@ -41,6 +42,10 @@ def test_kernels_equal_their_exact_reference():
 
 def test_engine_world1_every_mode():
     run_case("engine_world1")
+
+
+def test_compact_state_formats():
+    run_case("formats")
 
 
 def test_step_path_never_syncs_the_host():

@@ -57,6 +57,7 @@ class FormatCase:
     # state_format): parameter i joins group i % len(groups), so every bucket mixes formats
     groups: tuple = ()
     bucket_cap_mb: float = 0.0001  # DDP's: one parameter a bucket; 0.002 (500 fp32) gathers several
+    device: str = "cpu"  # "cuda": tests/gpu (the compiled kernels, backend="triton")
 
     def name(self) -> str:
         fmt = "+".join(f or self.state_format for f in self.groups) if self.groups else self.state_format
@@ -84,10 +85,12 @@ def build(case: FormatCase):
     ref.load_state_dict(model.state_dict())
     for m in (model, ref):
         m.never.requires_grad_(False)
+        m.to(case.device)
     if case.stochastic:
         model.bfloat16()
         ref.bfloat16()
-    kw = dict(bucket_cap_mb=case.bucket_cap_mb)
+    device = torch.device(case.device)
+    kw = dict(bucket_cap_mb=case.bucket_cap_mb, device_ids=[device.index or 0] if device.type == "cuda" else None)
     ddp, ref_ddp = DDP(model, **kw), DDP(ref, **kw)
     hp = dict(HPARAMS[case.opt], **({"amsgrad": True} if case.amsgrad else {}))
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -140,7 +143,7 @@ def through_format(ref_opt, work, case: FormatCase, layout_blocks) -> None:
 def train(case: FormatCase, rank: int, world: int, built=None, start: int = 1, steps: int | None = None):
     model, ddp, opt, ref, ref_ddp, ref_opt, params, work = built or build(case)
     for step in range(start, start + (steps or case.steps)):
-        x, y = batch(step, 0, 0 if case.same_data else rank)
+        x, y = (t.to(case.device) for t in batch(step, 0, 0 if case.same_data else rank))
         F.cross_entropy(ddp(x, use_branch=True).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
@@ -158,8 +161,9 @@ def train(case: FormatCase, rank: int, world: int, built=None, start: int = 1, s
                 p.grad = None
                 if w is not p:  # stochastic rounding, and the next step starts from the rounded weight
                     steps_done = int(ref_opt.state[w]["step"]) if case.opt == "AdamW" else step
-                    p.copy_(round_stochastic(w.detach().reshape(-1), torch.tensor(sr_key(case.seed, steps_done, pid)),
-                                             torch.arange(w.numel())).view_as(p))
+                    key = torch.tensor(sr_key(case.seed, steps_done, pid), device=w.device)
+                    p.copy_(round_stochastic(w.detach().reshape(-1), key, torch.arange(w.numel(), device=w.device))
+                            .view_as(p))
                     w.copy_(p.float())
         compare(case, model, ref, opt, ref_opt, work, step, rank, world)
     return model, ddp, opt, ref, ref_ddp, ref_opt, params, work
