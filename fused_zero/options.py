@@ -143,6 +143,15 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
+def state_formats_of(param_groups: list[dict], group_of: np.ndarray, default: str) -> list[str]:
+    """Each parameter's moment format: its param group's ``state_format``, else ``default`` (checked
+    here too: a group's key may have been edited since ``add_param_group`` checked it)."""
+    formats = [g.get("state_format", default) for g in param_groups]
+    for i, fmt in enumerate(formats):
+        _check_choice(f"param group {i}: state_format", fmt, STATE_FORMATS)
+    return [formats[g] for g in group_of]
+
+
 def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray]:
     """The parameters the optimizer updates (those requiring grad), each with its group index, checked
     against the parameters DDP reduces: every one of them must be the optimizer's, and vice versa."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels import Segments
-from ..options import ShardingOptions, collect_params
+from ..options import ShardingOptions, collect_params, state_formats_of
 from ..update.algorithms import Algorithm, UpdateArgs
 from ..update.formats import DTYPES
 from . import hooks
@@ -105,8 +105,7 @@ class Engine:
         self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
         self.options.check_params(self.params)
         self.pid_of = {p: i for i, p in enumerate(self.params)}
-        self.state_formats = [optimizer.param_groups[g].get("state_format", self.options.state_format)
-                              for g in self.group_of]  # each parameter's moment format, its group's
+        self.state_formats = state_formats_of(optimizer.param_groups, self.group_of, self.options.state_format)
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         hooks.check_no_comm_hook(ddp)
@@ -126,7 +125,7 @@ class Engine:
             upload=self.side.upload if self.backend == "triton" else None, device=self.device, topology=topo,
             state_formats=self.state_formats)
 
-        # backward and step modes: one launch per step and dtype once DDP's buckets are stable
+        # backward and step modes: one launch per step, dtype and state format once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
             compile_kernels(self)
@@ -299,8 +298,8 @@ class Engine:
 def compile_kernels(e: Engine) -> None:
     """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
     Triton compiles now and not inside the first backward (tens of ms per variant). On the side
-    stream, under the parameters' device guard, like every launch. Per dtype, before any shard
-    exists: construction compiles before it changes anything."""
+    stream, under the parameters' device guard, like every launch. Per dtype and state format, before
+    any shard exists: construction compiles before it changes anything."""
     with e.side.run(follow_current=True):
         for dtype, fmt in sorted({(p.dtype, f) for p, f in zip(e.params, e.state_formats)}, key=str):
             _compile_for(e, dtype, fmt)

@@ -301,6 +301,12 @@ def test_per_group_formats_through_the_canonical_dict():
         assert all(v is True for v in out.values()), [(k, v) for k, v in out.items() if v is not True]
 
 
+def _edited_then_attached(model, ddp):
+    opt = fused_zero.AdamW(model.parameters())
+    opt.param_groups[0]["state_format"] = "fp8"
+    opt.attach(ddp)
+
+
 def _refusals(rank, world):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -315,6 +321,9 @@ def _refusals(rank, world):
            raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
                                             {"params": [model.bias], "state_format": "int4"}]),
                   ValueError, "param group 1 sets state_format='int4': choose one of 'fp32', 'bf16', 'int8'"),
+           # and again at attach: a group's key edited since
+           raises(lambda: _edited_then_attached(model, ddp), ValueError,
+                  "param group 0: state_format='fp8' is not one of 'fp32', 'bf16', 'int8'"),
            raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
                                             {"params": [model.bias], "stochastic_rounding": True}]),
                   ValueError, "pass stochastic_rounding=... to the optimizer")]
