@@ -1,7 +1,8 @@
 """Compact optimizer state (``state_format`` "bf16" and "int8", ``stochastic_rounding``) against its
 oracle in every overlap mode x both reductions at 1, 2 and 4 ranks (formats_scenarios.py), per param
 group in buckets that mix formats, the stochastic rounding's statistics and reproducibility,
-checkpoints in both forms with a format change, and the refusals. The kernels' side of the formats is test_kernel_exact.py."""
+checkpoints in both forms with a format change, and the refusals. The kernels' side of the formats is
+test_kernel_exact.py."""
 
 from __future__ import annotations
 
