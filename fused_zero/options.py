@@ -143,13 +143,13 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
-def state_formats_of(param_groups: list[dict], group_of: np.ndarray, default: str) -> list[str]:
-    """Each parameter's moment format: its param group's ``state_format``, else ``default`` (checked
-    here too: a group's key may have been edited since ``add_param_group`` checked it)."""
+def group_state_formats(param_groups: list[dict], default: str) -> list[str]:
+    """Each param group's moment format: its ``state_format``, else ``default`` (checked here too: a
+    group's key may have been edited since ``add_param_group`` checked it)."""
     formats = [g.get("state_format", default) for g in param_groups]
     for i, fmt in enumerate(formats):
         _check_choice(f"param group {i}: state_format", fmt, STATE_FORMATS)
-    return [formats[g] for g in group_of]
+    return formats
 
 
 def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray]:

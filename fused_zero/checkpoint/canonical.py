@@ -145,15 +145,10 @@ class StateDictBuilder:
         # torch.optim's order: parameters by index, step first, then the state tensors
         state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
-        formats = group_formats(self.engine)
+        formats = self.engine.group_formats
         if any(f != "fp32" for f in formats):  # torch.optim ignores the key; the moments are decoded
             out["fused_zero"] = {"state_format": formats[0] if len(set(formats)) == 1 else formats}
         return out
-
-
-def group_formats(engine) -> list[str]:
-    """Each param group's moment format (``state_format``: the group's own, else the optimizer's)."""
-    return [g.get("state_format", engine.options.state_format) for g in engine.opt.param_groups]
 
 
 def is_state_init_step(engine) -> bool:

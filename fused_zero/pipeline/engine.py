@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels import Segments
-from ..options import ShardingOptions, collect_params, state_formats_of
+from ..options import ShardingOptions, collect_params, group_state_formats
 from ..update.algorithms import Algorithm, UpdateArgs
 from ..update.formats import DTYPES
 from . import hooks
@@ -105,7 +105,8 @@ class Engine:
         self.params, self.group_of = collect_params(optimizer.param_groups, ddp)
         self.options.check_params(self.params)
         self.pid_of = {p: i for i, p in enumerate(self.params)}
-        self.state_formats = state_formats_of(optimizer.param_groups, self.group_of, self.options.state_format)
+        self.group_formats = group_state_formats(optimizer.param_groups, self.options.state_format)
+        self.state_formats = [self.group_formats[g] for g in self.group_of]
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         hooks.check_no_comm_hook(ddp)
