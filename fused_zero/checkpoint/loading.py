@@ -180,7 +180,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     engine.synchronize()
     for shard in engine.shards():
         shard.init_master_from_params()
-        filled = {name: shard.values("master").clone() if name == "master" else
+        filled = {name: shard.values("master") if name == "master" else
                   torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
                   for name in shard.names}
         for piece in shard.layout.pieces(shard.layout.rank):
@@ -194,7 +194,8 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
         for name, region in filled.items():  # moments encoded in their format, as an update would
-            shard.store_values(name, region)
+            if region is not shard.live(name):
+                shard.store_values(name, region)
     for pid, saved in entries.items():
         engine.steps[pid] = saved_step(engine, saved)
 

@@ -43,6 +43,11 @@ def _grad(args, go: int, n: int, grad_div: float, maximize: bool) -> tuple[torch
     return g, owned
 
 
+def _add(g: torch.Tensor, owned: bool, other: torch.Tensor, alpha: float) -> tuple[torch.Tensor, bool]:
+    """``g + alpha * other``, in place where ``g`` is a tensor of its own (see ``_grad``)."""
+    return (g.add_(other, alpha=alpha) if owned else g.add(other, alpha=alpha)), True
+
+
 def merged_runs(rows, table: list[list[float]]):
     """Rows back to back in all three buffers with equal coefficients, merged into one run each.
 
@@ -154,7 +159,7 @@ def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     if c[_ADAM["decay_mul"]] != 1.0:
         p.mul_(c[_ADAM["decay_mul"]])
     if c[_ADAM["l2"]] != 0.0:
-        g, owned = (g.add_(p, alpha=c[_ADAM["l2"]]) if owned else g.add(p, alpha=c[_ADAM["l2"]])), True
+        g, owned = _add(g, owned, p, c[_ADAM["l2"]])
     m.lerp_(g, c[_ADAM["lerp_w"]])
     v.mul_(c[_ADAM["beta2"]]).addcmul_(g, g, value=c[_ADAM["one_minus_beta2"]])
     if amsgrad:
@@ -171,9 +176,8 @@ def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
 
 def _sgd_row(args, c, p, moments, n, go, maximize, nesterov):
     g, owned = _grad(args, go, n, c[_SGD["grad_div"]], maximize)
-    wd = c[_SGD["weight_decay"]]
-    if wd != 0.0:  # in place into a gradient of its own (see _adam_row)
-        g, owned = (g.add_(p, alpha=wd) if owned else g.add(p, alpha=wd)), True
+    if c[_SGD["weight_decay"]] != 0.0:  # in place into a gradient of its own (see _adam_row)
+        g, owned = _add(g, owned, p, c[_SGD["weight_decay"]])
     if "momentum_buffer" in args.state:
         buf = moments.get("momentum_buffer")
         if c[_SGD["first"]] != 0.0:
@@ -181,10 +185,7 @@ def _sgd_row(args, c, p, moments, n, go, maximize, nesterov):
         else:
             buf.mul_(c[_SGD["momentum"]]).add_(g, alpha=c[_SGD["one_minus_dampening"]])
         moments.put("momentum_buffer", buf)
-        if nesterov:
-            g = g.add_(buf, alpha=c[_SGD["momentum"]]) if owned else g.add(buf, alpha=c[_SGD["momentum"]])
-        else:
-            g = buf
+        g = _add(g, owned, buf, c[_SGD["momentum"]])[0] if nesterov else buf
     p.add_(g, alpha=c[_SGD["neg_lr"]])
 
 
