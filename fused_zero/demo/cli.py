@@ -39,11 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="update implementation (auto: Triton on CUDA, torch's ops on CPU)")
     demo.add_argument("--profile", metavar="DIR", default=None,
                       help="write a torch.profiler trace of rank 0 (steps 4-6) to DIR; its path is printed")
+    sub.add_parser("options", help="print the optimizers' keyword-only options as a markdown table")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "options":
+        from ..options import option_table
+
+        print(option_table())
+        return 0
     from .run import DemoConfig, run
 
     cfg = DemoConfig(world_size=args.world_size, steps=args.steps, optimizer=args.optimizer,

@@ -52,7 +52,7 @@ def test_trainer_example_runs(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "last loss" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
+    assert (tmp_path / "out" / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
 
 
 def test_readme_trainer_section_runs_as_written(tmp_path):
