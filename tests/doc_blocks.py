@@ -39,7 +39,7 @@ def python_blocks() -> list[tuple[str, str]]:
     """(a name saying where the block is, code) of every python block of every page."""
     out = []
     for path in PAGES:
-        for i, (lang, code) in enumerate(b for b in blocks(path) if b[0] == "python"):
+        for i, code in enumerate(code for lang, code in blocks(path) if lang == "python"):
             out.append((f"{page_name(path)}, python block {i + 1}", code))
     return out
 
