@@ -24,4 +24,4 @@ for x, y in loader:
         opt.step()
         opt.zero_grad()
 accelerator.print(f"last loss {loss.item():.4f}")
-accelerator.save_state("checkpoint")        # every rank: the optimizer's state_dict() is a collective
+accelerator.save_state("out/checkpoint")    # every rank, as Accelerate requires

@@ -2,6 +2,29 @@
 bucket, run as the bucket's gradients are reduced, with the parameters all-gathered behind the
 backward and the next forward."""
 
+from importlib import metadata as _metadata
+from pathlib import Path as _Path
+
 from .optimizer import SGD, Adam, AdamW
 
-__all__ = ["Adam", "AdamW", "SGD"]
+__all__ = ["Adam", "AdamW", "SGD", "__version__"]
+
+
+def _version() -> str:
+    """The installed distribution's version; in a source checkout that was never installed, the version
+    its pyproject.toml declares."""
+    try:
+        return _metadata.version("fused-zero")
+    except _metadata.PackageNotFoundError:
+        pass
+    pyproject = _Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if project.get("name") == "fused-zero":
+            return project["version"]
+    return "0+unknown"
+
+
+__version__ = _version()

@@ -16,8 +16,9 @@ refused here, at setup:
   clips the unscaled gradients. ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit need no
   scaler.
 - ``accumulate_grad_batches`` works through Lightning's own ``no_sync``; LR schedulers as usual.
-- Checkpoints: ``optimizer.state_dict()`` is a collective, and this strategy asks for it on every
-  rank (Lightning builds the checkpoint dict on every rank and writes it from rank 0).
+- Checkpoints: Lightning builds the checkpoint dict on every rank and writes it from rank 0, so this
+  strategy asks for ``optimizer.state_dict()`` on every rank. That is not a collective (each call is
+  served by the other ranks' threads, checkpoint/serving.py); every rank simply gets the whole dict.
 
 Needs the ``lightning`` extra: ``pip install "fused-zero[lightning]"``.
 """
@@ -146,6 +147,7 @@ class FusedZeroStrategy(DDPStrategy):
         plugin.clip_gradients = clip_gradients
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """The optimizer's canonical state dict, on every rank: ``state_dict()`` is a collective."""
+        """The optimizer's canonical state dict, on every rank, as Lightning asks for it; no collective:
+        each rank's call is served by the other ranks' threads (checkpoint/serving.py)."""
         return getattr(optimizer, "_optimizer", optimizer).state_dict()
 

@@ -1,30 +1,10 @@
 """The classes users import: drop-in torch.optim optimizers whose step runs inside DDP's backward.
 
-Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus keyword-only
-options shared by all:
-
-    ddp             the DistributedDataParallel module whose buckets are sharded; or leave it out
-                    and call ``opt.attach(ddp)`` once the DDP exists (build first, attach later)
-    grad_reduce     "reduce_scatter" (default; each rank receives only its slice, ZeRO-2 traffic)
-                    or "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient)
-    overlap         "bucket" (default; update each bucket as its reduction completes),
-                    "backward" (update every bucket when the last reduction completes) or
-                    "step" (reductions overlap the backward, updates run in ``step()``)
-    master_weights  keep fp32 master weights for bf16/fp16 parameters (default: on for them)
-    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" or "backward")
-    grad_scaler     the torch.amp.GradScaler the loop steps through (overlap="step" or "backward")
-    on_nonfinite    "skip" (default: a step with an inf/NaN gradient on some rank is skipped on every
-                    rank and counted in skipped_steps) or "raise" (skipped, then step() raises)
-    param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
-                    wait, no host sync) or "forward" (the all-gathers run on behind step() and each
-                    module's forward waits only for the buckets it can read, see pipeline/hooks.py; read
-                    parameters outside a forward only after synchronize())
-    backend         "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch"
-    state_format    how the moments are kept: "fp32" (default), "bf16" or "int8" (8-bit blocks with
-                    one fp32 scale each, kernels/formats.py); a param group may set its own
-    stochastic_rounding   bf16 parameters without masters rounded stochastically (unbiased), with
-                    bits drawn from ``seed``, the step and the element's index in its parameter
-    seed            the stochastic rounding's seed
+Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
+options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
+``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
+sharded, or left out for ``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others
+are ShardingOptions' fields.
 """
 
 from __future__ import annotations
@@ -104,7 +84,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
-        """``options``: the keyword-only sharding options of the module docstring (an unknown one is a
+        """``options``: the keyword-only sharding options (options.OPTIONS) (an unknown one is a
         TypeError naming it). foreach and fused are accepted for drop-in compatibility and ignored: the
         update is always one fused kernel."""
         if capturable or differentiable:
@@ -124,7 +104,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Shard this optimizer's state over ``ddp``'s buckets and register its comm hook: what
         ``ddp=`` at construction does, for an optimizer built before its DDP module existed.
 
-        ``options`` are sharding options (see the module docstring) added to those given at
+        ``options`` are sharding options (options.OPTIONS) added to those given at
         construction; giving one both times with different values is an error. Attach once, to the
         DDP module that wraps exactly the optimizer's trainable parameters; on every rank (a state
         loaded before attach is laid out here, once every rank agrees that it fits).

@@ -23,38 +23,70 @@ ON_NONFINITES = ("skip", "raise")
 GRAD_REDUCE_DTYPES = (None, torch.bfloat16, torch.float16)
 
 
+OPTIONS = (
+    # (name, values, meaning): the one description of the keyword-only options. ShardingOptions'
+    # docstring, `fused-zero options` and the README's table (tests/test_readme_claims.py) are
+    # made from it.
+    ("ddp", "the DDP module",
+     "registers the comm hook at construction; or leave it out and `opt.attach(ddp)` later"),
+    ("grad_reduce", '`"reduce_scatter"` (default), `"all_reduce"`',
+     "ZeRO-2 traffic (each rank receives only its slice) or ZeRO-1 (`param.grad` then holds DDP's averaged "
+     "gradient)"),
+    ("overlap", '`"bucket"` (default), `"backward"`, `"step"`',
+     "when the updates run: each bucket as its reduction completes, every bucket once the last one is "
+     "reduced, or in `step()` ([docs/usage.md](docs/usage.md#overlap-modes))"),
+    ("master_weights", "`None` (default: on for bf16/fp16), `True`, `False`",
+     "fp32 master copy of low-precision parameters"),
+    ("max_grad_norm", "float",
+     "global-norm clipping as `clip_grad_norm_`, of the reduced gradients; needs every gradient before any "
+     'update: `overlap="step"` or `"backward"`'),
+    ("grad_scaler", "a `torch.amp.GradScaler`",
+     'the scaler the loop steps through (fp16); `overlap="step"` or `"backward"`'),
+    ("on_nonfinite", '`"skip"` (default), `"raise"`',
+     "a step whose reduced gradients hold an inf or NaN on some rank is skipped on every rank (counted in "
+     '`skipped_steps`); `"raise"` then raises in `step()`. With a scaler, overflows are skipped as torch does'),
+    ("param_sync", '`"step"` (default), `"forward"`',
+     "when the all-gathered parameters are waited for: `step()` returns with every parameter updated, or "
+     "each module's forward pre-hook waits for the buckets it can read"),
+    ("backend", '`"auto"` (default), `"triton"`, `"torch"`',
+     "the update's implementation: Triton on CUDA; torch's own ops on CPU (bit-identical to torch.optim; "
+     'refused on CUDA); `"triton"` on CPU runs the interpreter'),
+    ("state_format", '`"fp32"` (default), `"bf16"`, `"int8"`',
+     "how the moments are kept: fp32, bf16 (rounded to nearest even) or 8-bit blocks of up to 2048 elements "
+     "with one fp32 scale each ([docs/compact-state.md](docs/compact-state.md)); a param group may set its own"),
+    ("stochastic_rounding", "`False` (default), `True`",
+     "bf16 parameters without fp32 masters (`master_weights=False`): the update's fp32 result rounded to bf16 "
+     "stochastically, unbiased"),
+    ("seed", "int in `[0, 2**32)`, default 0",
+     "the stochastic rounding's seed: the bits depend on (seed, step, element index in its parameter) only, "
+     "never on the world size or the bucket layout"),
+    ("shard_group", "`None` (default: all of DDP's ranks), an int S, a `ProcessGroup`, a `DeviceMesh`",
+     "shard within groups (S consecutive ranks; this rank's group; a 2-D mesh `(replicate, shard)`), "
+     "replicate across them: state per rank 1/S ([docs/shard-groups.md](docs/shard-groups.md))"),
+    ("grad_reduce_dtype", "`None` (default: each gradient in its dtype), `torch.bfloat16`, `torch.float16`",
+     "fp32 gradients cast and divided by W in that dtype before the reduction, as DDP's `bf16_compress_hook` "
+     "/ `fp16_compress_hook`; the update reads them into fp32"),
+)
+
+
+def option_table() -> str:
+    """OPTIONS as the markdown table the README holds."""
+    rows = ["| option | values | meaning |", "|---|---|---|"]
+    rows += [f"| `{name}` | {values} | {meaning} |" for name, values, meaning in OPTIONS]
+    return "\n".join(rows)
+
+
+def _docstring() -> str:
+    lines = ["The keyword-only options of every fused_zero optimizer (OPTIONS, the one description of them):", ""]
+    for name, values, meaning in OPTIONS:
+        if name != "ddp":
+            lines += [f"    {name}: {values}. {meaning}.", ""]
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class ShardingOptions:
-    """Attributes:
-        grad_reduce: "reduce_scatter" (each rank receives only its slice: ZeRO-2 traffic) or
-            "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient).
-        overlap: when the updates run: "bucket" (each bucket as its reduction completes), "backward"
-            (every bucket once the last one is reduced) or "step" (in ``step()``).
-        master_weights: fp32 master copies of bf16/fp16 parameters; None means on for them.
-        max_grad_norm: global-norm clipping as ``clip_grad_norm_``; needs every gradient before any
-            update, so overlap="step" or "backward" (not "bucket").
-        grad_scaler: the ``torch.amp.GradScaler`` whose scaled losses this optimizer steps on (see
-            pipeline/amp.py); overlap="step" or "backward".
-        on_nonfinite: what a step whose reduced gradients hold an inf or NaN does, without a scaler:
-            "skip" it on every rank (default; counted in ``skipped_steps``) or "raise" in ``step()``,
-            on every rank, after skipping it. With a scaler, overflow steps are skipped as torch does.
-        param_sync: "step" (``step()`` returns with every parameter updated) or "forward" (each
-            module's forward pre-hook waits for the buckets it reads).
-        backend: "auto" (Triton on CUDA, torch's ops on CPU), "triton" or "torch".
-        state_format: how the moments (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) are kept:
-            "fp32" (default), "bf16", or "int8" (8 bits with one fp32 scale per block of up to 2048
-            elements; kernels/formats.py). A param group may set its own ``state_format`` (shard.py).
-        stochastic_rounding: bf16 parameters without fp32 master weights, the update's fp32 result
-            rounded to bf16 stochastically (unbiased), with random bits drawn from ``seed``, the step
-            and the element's place in its parameter: reproducible, and the same at any world size.
-        seed: the stochastic rounding's seed.
-        shard_group: None (shard over all of DDP's ranks), an int S (groups of S consecutive ranks), a
-            ProcessGroup (this rank's shard group) or a DeviceMesh (2-D: replicate, shard): shard within
-            the group and replicate across the groups (pipeline/topology.py).
-        grad_reduce_dtype: None (gradients travel in their own dtype, as DDP's default) or torch.bfloat16 /
-            torch.float16: fp32 gradients are cast and divided by W in that dtype before the reduction,
-            as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; the update reads them into fp32.
-    """
+    __doc__ = _docstring()
 
     grad_reduce: str = "reduce_scatter"
     overlap: str = "bucket"

@@ -1,16 +1,109 @@
-"""Promises the README makes that no other test holds: the example runs as written, and the bound on the
-replicated tail."""
+"""Promises the README and the docs pages make that no other test holds: every relative link resolves,
+every python code block runs (or is named below with the test that runs it elsewhere), the README's
+option table is the one fused_zero/options.py describes, the README fits its size, the example runs as
+written, and the bound on the replicated tail (docs/shard-groups.md)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import doc_blocks
 import pytest
+from distributed import run_ranks
 
+from fused_zero.options import OPTIONS, ShardingOptions, option_table
 from fused_zero.pipeline.layout import BucketLayout
 
 ROOT = Path(__file__).resolve().parents[1]
+README_LIMIT = 12288
+
+# python blocks not run by test_doc_blocks_run, each with the test that covers it; a key is (page, a
+# string only that block of the page holds)
+ELSEWHERE = {
+    ("docs/integrations.md", "import lightning.pytorch as pl"):
+        "examples/train_lightning.py (test_integration_blocks_are_the_examples): "
+        "tests/integrations/test_lightning.py runs it",
+    ("docs/integrations.md", "from accelerate import Accelerator"):
+        "examples/train_accelerate.py (test_integration_blocks_are_the_examples): "
+        "tests/integrations/test_accelerate.py::test_accelerate_example_runs runs it",
+    ("docs/integrations.md", "from transformers import"):
+        "tests/integrations/test_transformers.py::test_readme_trainer_section_runs_as_written runs it "
+        "under torchrun",
+    ("docs/checkpointing.md", "if iter_num % eval_interval == 0 and master_process:"):
+        "a fragment of nanoGPT's train.py; tests/checkpoint/test_rank0_state_dict.py runs its pattern "
+        "(state_dict() on rank 0 alone after a rank-0-only evaluation)",
+}
+
+
+def _elsewhere(name: str, code: str) -> str | None:
+    page = name.split(",")[0]
+    found = [why for (p, marker), why in ELSEWHERE.items() if p == page and marker in code]
+    return found[0] if found else None
+
+
+def test_readme_fits():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move detail into docs/"
+
+
+@pytest.mark.parametrize("page", doc_blocks.PAGES, ids=doc_blocks.page_name)
+def test_relative_links_resolve(page):
+    assert doc_blocks.broken_links(page) == []
+
+
+def test_a_broken_link_is_named(tmp_path):
+    """The link check itself can fail: a missing file and a missing heading are both reported."""
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n[a](missing.md) [b](#title) [c](#nowhere) [d](https://x.org/y)\n")
+    assert doc_blocks.broken_links(page) == ["page.md: missing.md (no such file)",
+                                             "page.md: #nowhere (no heading #nowhere in page.md)"]
+
+
+def test_every_elsewhere_entry_names_one_block():
+    """An ELSEWHERE entry that matches no block (the page changed) would excuse nothing: refuse it."""
+    for (page, marker) in ELSEWHERE:
+        matching = [n for n, code in doc_blocks.python_blocks() if n.startswith(page + ",") and marker in code]
+        assert len(matching) == 1, (page, marker, matching)
+
+
+def test_doc_blocks_run(tmp_path):
+    """Every python block of the README and docs/*.md not in ELSEWHERE, on 2 gloo ranks, one spawn."""
+    todo = [(n, c) for n, c in doc_blocks.python_blocks() if _elsewhere(n, c) is None]
+    assert len(todo) >= 10, [n for n, _ in todo]
+    results = run_ranks(doc_blocks.run, 2, todo, str(tmp_path))
+    for rank, outcomes in enumerate(results):
+        failed = [f"{name} (rank {rank}):\n{outcome}" for name, outcome, _ in outcomes if outcome != "ok"]
+        assert failed == [], "\n".join(failed)
+        assert [name for name, _, _ in outcomes] == [n for n, _ in todo]
+        # docs/benchmarks.md: with param_sync="forward" the forward's waits are profiler ranges
+        profiled = [ranges for name, _, ranges in outcomes if name.startswith("docs/benchmarks.md")]
+        assert profiled and "fused_zero.forward_wait" in profiled[0], profiled
+
+
+def test_integration_blocks_are_the_examples():
+    """docs/integrations.md shows the Lightning and Accelerate examples as they are (their tests run them)."""
+    code = {n: c for n, c in doc_blocks.python_blocks() if n.startswith("docs/integrations.md")}
+    for example, marker in (("train_lightning.py", "import lightning.pytorch as pl"),
+                            ("train_accelerate.py", "from accelerate import Accelerator")):
+        source = (ROOT / "examples" / example).read_text()
+        body = source[source.index('"""', 3) + 3:].lstrip("\n")  # without the module docstring
+        shown = [c for c in code.values() if marker in c]
+        assert shown == [body], f"docs/integrations.md's block differs from examples/{example}"
+
+
+def test_option_table_is_generated_from_options_py():
+    """The README's table is `fused-zero options`' output, and that describes exactly ShardingOptions'
+    fields (plus ddp): one description of the options."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- options: generated by `fused-zero options`", 1)[1].split("-->\n", 1)[1]
+    table = table.split("\n<!-- end of options -->", 1)[0]
+    assert table == option_table(), "README.md's option table is stale: paste `fused-zero options` into it"
+    assert sorted(name for name, _, _ in OPTIONS) == sorted(["ddp", *ShardingOptions.__dataclass_fields__])
+    printed = subprocess.run([sys.executable, "-m", "fused_zero.demo.cli", "options"], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+    assert printed.returncode == 0 and printed.stdout == option_table() + "\n", printed.stderr
+    assert all(f"    {name}:" in ShardingOptions.__doc__ for name, _, _ in OPTIONS[1:])
 
 
 def test_example_runs_as_written_on_two_ranks():
@@ -29,7 +122,7 @@ def test_example_runs_as_written_on_two_ranks():
 @pytest.mark.parametrize("numel", [7, 1000, 4099, 65_537, 6_553_600, 8 * 1024 * 1024, 13_107_200])
 def test_replicated_tail_bound(world, numel):
     """Under W x 32 elements always; under an eighth of a slice in buckets of at least 8 W^2 elements,
-    under W elements in smaller ones (README, Memory)."""
+    under W elements in smaller ones (docs/shard-groups.md, Memory at scale)."""
     layout = BucketLayout.build([0], [numel], [0], world, 0)
     assert layout.tail < world * 32
     if numel >= 8 * world * world:
@@ -39,7 +132,7 @@ def test_replicated_tail_bound(world, numel):
 
 
 def test_default_buckets_at_1024_ranks():
-    """The README's figures: DDP's 25 MiB bucket at W=1024 in bf16 and in fp32."""
+    """docs/shard-groups.md's figures: DDP's 25 MiB bucket at W=1024 in bf16 and in fp32."""
     bf16 = BucketLayout.build([0], [25 * 2**20 // 2], [0], 1024, 0)
     assert bf16.tail <= bf16.numel / 1024 / 8
     fp32 = BucketLayout.build([0], [25 * 2**20 // 4], [0], 1024, 0)

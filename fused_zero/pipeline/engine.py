@@ -260,7 +260,8 @@ class Engine:
         self.reduction.end_step()
         self.iteration = _Iteration()
         if self.param_sync == "step":
-            self.synchronize()
+            with range_push("fused_zero.gather_wait"):  # what param_sync="forward" moves into forward_wait
+                self.synchronize()
         else:
             # the compute stream follows the updates (not the all-gathers): whatever runs before the
             # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when

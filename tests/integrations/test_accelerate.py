@@ -56,4 +56,4 @@ def test_accelerate_example_runs(tmp_path):
            "--main_process_port", str(_free_port()), str(script)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "last loss" in done.stdout, done.stderr[-3000:]
-    assert (tmp_path / "checkpoint" / "optimizer.bin").exists()
+    assert (tmp_path / "out" / "checkpoint" / "optimizer.bin").exists()

@@ -52,13 +52,13 @@ def test_trainer_example_runs(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "last loss" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
+    assert (tmp_path / "out" / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
 
 
 def test_readme_trainer_section_runs_as_written(tmp_path):
-    """The README's "With the Hugging Face Trainer" code, under torchrun on 2 CPU processes."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## With the Hugging Face Trainer", 1)[1]
+    """docs/integrations.md's "The Hugging Face Trainer" code, under torchrun on 2 CPU processes."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = page.split("## The Hugging Face Trainer", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "readme_trainer.py"
     script.write_text(code)
@@ -66,4 +66,4 @@ def test_readme_trainer_section_runs_as_written(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "trainer_out" / "checkpoint-20" / "optimizer.pt").exists()
+    assert (tmp_path / "out" / "trainer_out" / "checkpoint-20" / "optimizer.pt").exists()
