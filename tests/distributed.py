@@ -4,8 +4,9 @@
 from fused_zero.demo.spawn import run_ranks as _run_ranks
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 600.0):
-    return _run_ranks(fn, world, *args, timeout=timeout, backend="gloo", collective_timeout=90.0)
+def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None = "gloo"):
+    """``backend``: what ``init_process_group`` is given (None: torch's default, no backend named)."""
+    return _run_ranks(fn, world, *args, timeout=timeout, backend=backend, collective_timeout=90.0)
 
 
 __all__ = ["run_ranks"]

@@ -163,7 +163,7 @@ def forced_plan(plan: str):
 
     real = collectives.all_reduce_replaces_reduce_scatter
     if plan == "nccl":
-        collectives.all_reduce_replaces_reduce_scatter = lambda group, device=None: False
+        collectives.all_reduce_replaces_reduce_scatter = lambda group, device: False
     try:
         yield
     finally:
@@ -358,12 +358,17 @@ def _exact(case: Case, world: int) -> bool:
     one or two ranks. Beyond, a reduce-scatter (NCCL's plan, forced on gloo) adds in another order than
     DDP's all-reduce; gloo's own plan is an all-reduce of the bucket as DDP's, but fused_zero and DDP
     divide fp32 sums by W at different points, which rounds unless W is a power of two (so both plans
-    at four ranks stay exact on gloo's). Clipping's global norm is summed in another order than
+    at four ranks stay exact on gloo's). Gradients reduced in 16 bits are divided before the sum, as
+    DDP's compression hook divides them (cast, divide, sum): on gloo's plan that is the hook's very
+    arithmetic at any W, three included. Clipping's global norm is summed in another order than
     clip_grad_norm_'s, so its coefficient may differ in the last bit."""
     if case.backend != "torch" or case.max_grad_norm is not None:
         return False
-    # gloo's own plan is DDP's all-reduce (the same tensor, the same group, the same order of sums)
-    same_sums = case.plan == "auto" or case.grad_reduce == "all_reduce"
+    # gloo's own plan is DDP's all-reduce (the same tensor, the same group, the same order of sums), and
+    # so is any plan with shard groups of one rank
+    same_sums = case.plan == "auto" or case.grad_reduce == "all_reduce" or case.shard == 1
+    if case.reduce_dtype is not None:
+        return world <= 2 or same_sums
     return world <= 2 or (same_sums and world & (world - 1) == 0)
 
 

@@ -23,8 +23,21 @@ class RanksFailed(RuntimeError):
     """A rank raised, or the ranks did not finish in time."""
 
 
+AUTO = "auto"
+"""``run_ranks(backend=AUTO)``: NCCL where CUDA is available, else gloo (``backend=None`` is torch's own
+default instead: ``init_process_group()`` with no backend)."""
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _on_cuda(backend: str | None) -> bool:
+    """Whether the ranks' tensors live on CUDA: an NCCL backend for CUDA tensors, or torch's default
+    where CUDA is available."""
+    if backend is None:
+        return torch.cuda.is_available()
+    return backend == "nccl" or "cuda:nccl" in backend
 
 
 def _free_port() -> int:
@@ -35,11 +48,11 @@ def _free_port() -> int:
 
 def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
     try:
-        if backend == "nccl":
+        if _on_cuda(backend):
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(1)  # the ranks share the machine's cores: more threads only contend
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         try:
             # by value: the queue's own pickler sends tensors as shared-memory handles, which vanish
@@ -55,11 +68,13 @@ def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None = None,
+def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None = AUTO,
               collective_timeout: float = 120.0) -> list:
-    """Every rank's return value, in rank order. ``fn`` must be importable (a module-level function)."""
-    backend = backend or default_backend()
-    if backend == "nccl" and world > torch.cuda.device_count():
+    """Every rank's return value, in rank order. ``fn`` must be importable (a module-level function).
+    ``backend``: what ``init_process_group`` is given ("gloo", "nccl", "cpu:gloo,cuda:nccl", or None
+    for torch's default), or ``AUTO``."""
+    backend = default_backend() if backend == AUTO else backend
+    if _on_cuda(backend) and world > torch.cuda.device_count():
         raise ValueError(f"{world} NCCL ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

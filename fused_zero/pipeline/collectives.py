@@ -81,22 +81,31 @@ def broadcast(t: torch.Tensor, src: int, group):
     return dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
 
 
-def backend_of(group, device: torch.device | None = None) -> str:
-    """The backend that runs ``group``'s collectives on ``device``'s tensors ("gloo", "nccl", ...): a group
-    made with one backend per device ("cpu:gloo,cuda:nccl") names each."""
-    name = dist.get_backend(group)
-    if ":" in name:
-        parts = dict(p.split(":", 1) for p in name.split(","))
-        return parts.get(device.type if device is not None else "cpu", name)
-    return name
+def backend_of(group, device: torch.device) -> str:
+    """The backend that runs ``group``'s collectives on ``device``'s tensors ("gloo", "nccl", ...).
+
+    Asked per device type: a process group holds one backend per device type, built from the backend
+    config that ``dist.get_backend_config`` reports ("cpu:gloo,cuda:nccl" for torchtitan's string;
+    "cuda:nccl" for ``init_process_group()`` with no backend on a GPU machine in torch 2.13, "cpu:gloo"
+    on a CPU one; "cpu:gloo,cuda:gloo" for "gloo"). ``dist.get_backend`` names no device: it reads
+    "undefined" after ``init_process_group()`` and the whole string for a mixed one."""
+    kind = torch.device(device).type
+    config = str(dist.get_backend_config(group))
+    served = dict(p.split(":", 1) for p in config.split(",") if ":" in p)
+    if kind not in served:
+        raise ValueError(f"no backend of the process group ({config}) runs {kind} tensors: give "
+                         f"init_process_group (or new_group) one, e.g. backend=\"cpu:gloo,cuda:nccl\"")
+    return served[kind]
 
 
-def reduce_scatter_has_future(group) -> bool:
-    """Whether a reduce-scatter's Work has a Future (NCCL's has; gloo's raises "not implemented")."""
-    return backend_of(group) == "nccl"
+def reduce_scatter_has_future(group, device: torch.device) -> bool:
+    """Whether a reduce-scatter of ``device`` tensors has a Work with a Future (NCCL's has; gloo's raises
+    "not implemented"). With one, DDP's ``finalize_backward`` waits for the reduction before it reads
+    the bucket, which the reduce-scatter writes in place."""
+    return backend_of(group, device) == "nccl"
 
 
-def all_reduce_replaces_reduce_scatter(group, device: torch.device | None = None) -> bool:
+def all_reduce_replaces_reduce_scatter(group, device: torch.device) -> bool:
     """Whether the bucket's reduction should be one in-place all-reduce, this rank's slice read from it,
     instead of a reduce-scatter. On gloo it should: ProcessGroupGloo's reduce-scatter all-reduces a full
     clone of its input and then copies this rank's chunk out, so the in-place all-reduce computes the
@@ -106,7 +115,7 @@ def all_reduce_replaces_reduce_scatter(group, device: torch.device | None = None
     return backend_of(group, device) == "gloo"
 
 
-def broadcast_replaces_all_gather(group, device: torch.device | None = None) -> bool:
+def broadcast_replaces_all_gather(group, device: torch.device) -> bool:
     """Whether ``all_gather`` should be one in-place broadcast per rank. On gloo it should:
     ProcessGroupGloo's all-gather gathers into a flat scratch tensor of the output's size and then
     copies it out, while a broadcast sends and receives in place; the bytes each rank sends and
@@ -121,12 +130,19 @@ REDUCE_DTYPES = {"gloo": (torch.float32, torch.bfloat16, torch.float16),
 """What each backend sums (NCCL: bfloat16 from NCCL 2.10, checked where it is used)."""
 
 
-def reduces_in(group, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+def reduces_in(group, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``group``'s backend can sum ``dtype`` tensors (the checks of ``grad_reduce_dtype``)."""
     backend = backend_of(group, device)
     if dtype not in REDUCE_DTYPES.get(backend, (torch.float32,)):
         return False
     if backend == "nccl" and dtype == torch.bfloat16:
-        version = torch.cuda.nccl.version() if torch.cuda.is_available() else (0,)
-        return tuple(version) >= (2, 10)
+        return _nccl_version() >= (2, 10)
     return True
+
+
+def _nccl_version() -> tuple:
+    """The NCCL version torch was built with, ``(0,)`` where it has none (a CPU build)."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return (0,)

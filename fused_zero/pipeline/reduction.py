@@ -82,7 +82,7 @@ class Reduction:
         self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) else float(self.world) for p in engine.params])
         self.one_all_reduce = self.grad_reduce == "all_reduce" or topo.shard_size == 1 or \
             collectives.all_reduce_replaces_reduce_scatter(self.group, engine.device)
-        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group)
+        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group, engine.device)
 
     @property
     def side(self):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..pipeline import collectives, streams
 from ..update.algorithms import Algorithm
+from . import backends
 from .clocks import Clocks, Hazard
 from .device import ModeledStreams, ModeledWork
 from .trace import DispatchCalls, function_patches
@@ -46,9 +47,12 @@ class StreamChecker:
         syncs: ``(what, where, phase, ours)`` of every host synchronization seen; ``ours``: fused_zero's
             code is on the stack (else it is the caller's, or DDP's own, C++ reducer included).
         phase: a label the caller sets (``checker.phase = "step 3"``), recorded with each sync.
+        backend: the ``init_process_group`` backend string modeled ("nccl", "cpu:gloo,cuda:nccl", or
+            None for torch's default): what every process group reports (backends.py).
     """
 
-    def __init__(self):
+    def __init__(self, backend: str | None = "nccl"):
+        self.backend = backend
         self.clocks = Clocks()
         self.compute = self.clocks.stream("compute stream")
         self.host = self.clocks.stream("host", frees_checked=False)
@@ -88,9 +92,9 @@ class StreamChecker:
                                     ("all_gather", (1,), (0,)), ("all_to_all_single", (1,), (0,)),
                                     ("gather", (0,), (1,)), ("broadcast", (0,), (0,))):
             self._patch(collectives, name, self._collective(getattr(collectives, name), reads, writes))
-        self._patch(collectives, "reduce_scatter_has_future", lambda group: True)  # NCCL's has one
-        # NCCL's plan: the reduce-scatter (gloo's all-reduce in its place is for gloo's own threads)
-        self._patch(collectives, "all_reduce_replaces_reduce_scatter", lambda group, device=None: False)
+        # the code's own backend choices, from what the process groups report on the GPU machine
+        for owner, name, value in backends.patches(*backends.modeled_reports(self.backend)):
+            self._patch(owner, name, value)
         from_numpy = torch.from_numpy  # no __torch_function__ of its own: seen here instead
 
         def host_from_numpy(array):

@@ -39,7 +39,7 @@ def _gathers(rank, world):
         collectives._all_gather(ref_inplace, base[me * n:(me + 1) * n].clone(), group=group)
         collectives._all_gather(ref_copied, base[:n].clone() + 1000, group=group)
         out[name] = (torch.equal(inplace, ref_inplace), torch.equal(copied.view(-1), ref_copied),
-                     collectives.broadcast_replaces_all_gather(group))
+                     collectives.broadcast_replaces_all_gather(group, inplace.device))
     return out
 
 

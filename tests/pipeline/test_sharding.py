@@ -8,12 +8,15 @@
   ProcessGroup and a 2-D DeviceMesh; bf16 parameters; groups of 1 (every rank a replica); clipping by
   the global norm (each element counted once, not once per replica). The optimizer
   state each rank holds is 1/S of torch.optim's plus the replicated tails, exactly.
-- ``test_grad_reduce_dtype``: at W=2 and W=4 (flat and in shard groups of 2), every overlap mode x both
-  reductions in bf16, one fp16 case; bit-identical to DDP + ``bf16_compress_hook`` on gloo's plan, within
-  the bound ``_compare_reduced`` states for NCCL's plan (its sums run in another order, each rounded
-  to bf16).
-- ``test_refusals``: shard groups that do not tile DDP's group, a reduce dtype that is not 16-bit, a
-  backend that cannot sum bf16: refused at construction on every rank, naming the fix.
+- ``test_grad_reduce_dtype``: at W=2, 3 and 4 (flat and in shard groups of 2), every overlap mode x both
+  reductions in bf16, fp16 cases; bit-identical (``torch.equal``) to DDP + ``bf16_compress_hook`` /
+  ``fp16_compress_hook`` on gloo's plan at every W, three included (where dividing by W rounds, so
+  dividing after the sum or in fp32 before the cast shows), within the bound ``_compare_reduced``
+  states for NCCL's plan (its sums run in another order, each rounded to bf16).
+- ``test_refusals_and_membership``: shard groups that do not tile DDP's group, a reduce dtype that is not
+  16-bit, a backend that cannot sum bf16: refused at construction on every rank, naming the fix; and
+  on every rank, the members of its shard and replica groups: consecutive ranks for ``shard_group=2``
+  at W=4, a DeviceMesh's own rows.
 """
 
 import itertools
@@ -69,6 +72,12 @@ def shard_cases():
 
 
 def reduce_cases(world: int):
+    if world == 3:  # exact on gloo's plan; NCCL's (a reduce-scatter of 3) within _compare_reduced's bound
+        return [Case(overlap="bucket", bucket_cap_mb=TINY, reduce_dtype=bf16),
+                Case(overlap="backward", bucket_cap_mb=TWO, reduce_dtype=bf16),
+                Case(overlap="step", grad_reduce="all_reduce", bucket_cap_mb=TINY, reduce_dtype=bf16),
+                Case(overlap="backward", bucket_cap_mb=TINY, reduce_dtype=torch.float16, groups=2),
+                Case(overlap="step", bucket_cap_mb=TINY, reduce_dtype=bf16, plan="nccl")]
     if world == 2:
         cases = [Case(overlap=o, grad_reduce=r, bucket_cap_mb=b, reduce_dtype=bf16)
                  for (o, r), b in zip(MODES, itertools.cycle((TINY, TWO, ONE)))]
@@ -94,6 +103,7 @@ def test_shard_groups_four_ranks():
 
 def test_grad_reduce_dtype():
     run_and_check(2, reduce_cases(2))
+    run_and_check(3, reduce_cases(3))
     run_and_check(4, reduce_cases(4))
 
 
@@ -127,10 +137,33 @@ def refusals(rank, world):
     # a refused optimizer left DDP as it was: a good one attaches afterwards
     opt = build(shard_group=pairs[rank // 2])
     out["tiling groups accepted"] = "ok" if opt._engine.topology.replicas == 2 else "not 2 replicas"
+    return {**out, **memberships(rank)}
+
+
+def memberships(rank) -> dict:
+    """Who shares this rank's traffic: the members of its shard group and of its replica group, as the
+    topology lists them and as their process groups hold them. ``shard_group=2`` gives consecutive ranks
+    (a node's); a DeviceMesh its own rows, here strided ones."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out = {}
+    for name, spec, shards in (("int 2", lambda: 2, ((0, 1), (2, 3))),
+                               ("mesh rows", lambda: DeviceMesh("cpu", [[0, 2], [1, 3]]), ((0, 2), (1, 3)))):
+        torch.manual_seed(0)
+        model = OddNet()
+        model.never.requires_grad_(False)
+        ddp = DDP(model)
+        topo = fused_zero.AdamW(ddp.parameters(), ddp=ddp, shard_group=spec())._engine.topology
+        mine = next(m for m in shards if rank in m)
+        expected = (shards, mine, tuple(m[mine.index(rank)] for m in shards), mine.index(rank))
+        got = (topo.shards, tuple(dist.get_process_group_ranks(topo.shard_group)),
+               tuple(dist.get_process_group_ranks(topo.replica_group)), dist.get_rank(topo.shard_group))
+        out[f"membership {name}"] = "ok" if got == expected else \
+            f"(shards, shard group, replica group, rank in it) {got}, expected {expected}"
     return out
 
 
-def test_refusals():
+def test_refusals_and_membership():
     for rank, out in enumerate(run_ranks(refusals, 4)):
         bad = {k: v for k, v in out.items() if v != "ok"}
         assert not bad, f"rank {rank}: {bad}"

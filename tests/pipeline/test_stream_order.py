@@ -8,8 +8,11 @@ another stream's use of it is not ordered before that stream.
   refuses a scaler) x ``param_sync`` step/forward x ``find_unused_parameters``, across DDP's bucket
   rebuild (iteration 2), an injected inf on one rank (scaler runs), a user's ``scaler.unscale_`` and
   ``clip_grad_norm_`` where they are honored (step + all_reduce), and a checkpoint save and load (both
-  forms) between steps; and 8-bit moments in every overlap mode x both reductions. Zero hazards, and
-  in the steady state no host synchronization but one event wait per iteration (the step counts, step_counts.py).
+  forms) between steps; and 8-bit moments in every overlap mode x both reductions. All of it with the
+  process groups reporting what ``init_process_group("nccl")`` makes on a GPU machine, and a subset
+  (every overlap mode once, bf16 reduction in one) for "cpu:gloo,cuda:nccl" and for no backend at all:
+  the code's own backend choices run (streamcheck/backends.py). Zero hazards, and in the steady state
+  no host synchronization but one event wait per iteration (the step counts, step_counts.py).
 - Shard groups of 2 at four ranks and gradients reduced in bf16 (flat and sharded), every overlap mode x
   both reductions (``sharded_configs``): zero hazards too. Removing the side stream's wait for the
   reduce-scatter before the all-reduce across replicas is named, and so is a bf16 staging copy freed
@@ -17,7 +20,9 @@ another stream's use of it is not ordered before that stream.
 - Each ordering fix of the CUDA path, reverted, is named by the checker (the defect and its line):
   the skip counter and the GradScaler's found-inf flag written on the compute stream before it joins
   the side stream, and the found-inf flag zero-filled on the compute stream after the first reduction
-  was issued, with no edge to the side stream that maxes into it.
+  was issued, with no edge to the side stream that maxes into it; and the backend read without the
+  device (``dist.get_backend``: "undefined" after ``init_process_group()``), which hands DDP no future
+  for the reduce-scatter, so DDP's copy into ``param.grad`` in the backward races it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 from scenarios import VOCAB, OddNet, batch
@@ -61,7 +67,20 @@ def configs():
     # per param group formats: buckets of several parameters, each holding int8, bf16 and fp32 parts
     out += [dict(overlap=overlap, grad_reduce="reduce_scatter", scaler=False, param_sync="forward", find_unused=False,
                  mixed=True) for overlap in ("bucket", "backward", "step")]
+    # the code's own backend choices after init_process_group("cpu:gloo,cuda:nccl") and with no backend
+    # (every configuration above: "nccl"), every overlap mode once
+    for pg in PG_BACKENDS[1:]:
+        out += [dict(overlap="bucket", grad_reduce="reduce_scatter", scaler=False, param_sync="forward",
+                     find_unused=True, pg_backend=pg),
+                dict(overlap="backward", grad_reduce="all_reduce", scaler=True, param_sync="step", find_unused=False,
+                     pg_backend=pg),
+                dict(overlap="step", grad_reduce="reduce_scatter", scaler=False, param_sync="step", find_unused=False,
+                     reduce_dtype=torch.bfloat16, pg_backend=pg)]
     return out
+
+
+PG_BACKENDS = ("nccl", "cpu:gloo,cuda:nccl", None)
+"""The ``init_process_group`` backend strings the checker models (``StreamChecker(backend=...)``)."""
 
 
 def train(rank, cfg, checker, steps=STEPS):
@@ -115,7 +134,7 @@ ALLOWED_SYNCS = ("event.synchronize()",)
 
 
 def check_config(rank, cfg) -> str | None:
-    with StreamChecker() as checker:
+    with StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
         skipped = train(rank, cfg, checker)
     problems = [str(h) for h in checker.hazards()]
     syncs = [s for s in checker.syncs if s[2] in STEADY and s[3]]  # fused_zero's (DDP has its own)
@@ -146,9 +165,9 @@ def matrix():
 
 
 def test_no_stream_order_hazard_in_any_configuration(matrix):
-    assert len(configs()) == 49
+    assert len(configs()) == 55
     for rank, failures in enumerate(matrix):
-        assert not failures, f"rank {rank}, {len(failures)} of 46 configurations:\n" + "\n\n".join(
+        assert not failures, f"rank {rank}, {len(failures)} of 55 configurations:\n" + "\n\n".join(
             f"{cfg}:\n{what}" for cfg, what in list(failures.items())[:3])
 
 
@@ -259,8 +278,28 @@ def _across_without_waiting(self, works, piece):
         return collectives.all_reduce(piece, self.topology.replica_group)
 
 
+def _backend_of_without_the_device(group, device=None) -> str:
+    """The backend as it was read: ``dist.get_backend``'s one name, a mixed string's "cpu" entry where no
+    device was passed."""
+    name = dist.get_backend(group)
+    if ":" in name:
+        parts = dict(p.split(":", 1) for p in name.split(","))
+        return parts.get(device.type if device is not None else "cpu", name)
+    return name
+
+
+def _has_future_without_the_device(group, device) -> bool:
+    return _backend_of_without_the_device(group) == "nccl"
+
+
 BASE = dict(overlap="bucket", grad_reduce="reduce_scatter", scaler=False, param_sync="forward", find_unused=False)
 REVERTED = {
+    # init_process_group() with no backend: "undefined" takes NCCL's plan but hands DDP no future, so
+    # DDP's copy into param.grad in the backward is not ordered after the in-place reduce-scatter
+    "backend read without the device": (
+        [(collectives, "backend_of", _backend_of_without_the_device),
+         (collectives, "reduce_scatter_has_future", _has_future_without_the_device)],
+        {**BASE, "pg_backend": None}, "(train) after communication stream 0 ran collectives.reduce_scatter"),
     "skip counter before the join": (
         [(engine_module.Engine, "_count_skip", _count_skip_before_the_join)],
         dict(overlap="step", grad_reduce="reduce_scatter", scaler=False, param_sync="step", find_unused=False),
@@ -298,7 +337,7 @@ def check_reverted(rank, world):
         for owner, attr, value in patches:
             setattr(owner, attr, value)
         try:
-            with StreamChecker() as checker:
+            with StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
                 train(rank, cfg, checker, steps=3)
             out[name] = (checker.report(), culprit)
         except Exception:
