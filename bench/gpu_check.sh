@@ -124,9 +124,12 @@ gpu gpu-ranks "two_gloo_ranks or nccl_on_two_gpus"
 gpu gpu-torch-sanitizer "cuda_sanitizer"
 gpu gpu-state-dict "state_dict"
 if [ -n "$DRY" ] || command -v compute-sanitizer > /dev/null; then
-    # one small case, its kernels compiled already (the cache above); 77: the case is absent or cannot run
-    step memcheck bash -c 'compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu/gpu_cases.py \
-        "${GPU_CHECK_MEMCHECK_CASE:-rank0_state_dict}"; rc=$?; [ $rc -eq 77 ] && exit 5; exit $rc'
+    # one small case (GPU_CHECK_MEMCHECK_CASE, a case_ of gpu_cases.py), its kernels compiled already (the
+    # cache above); "skipped" where the case is absent (5) or cannot run on this machine (77)
+    export MEMCHECK_CASE=${GPU_CHECK_MEMCHECK_CASE:-rank0_state_dict}
+    step memcheck bash -c 'grep -q "^def case_${MEMCHECK_CASE}(" tests/gpu/gpu_cases.py || exit 5
+        compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu/gpu_cases.py "$MEMCHECK_CASE"
+        rc=$?; [ $rc -eq 77 ] && exit 5; exit $rc'
 else
     echo "memcheck skipped 0 ${LIMIT[memcheck]}" >> "$OUT/status.txt"
     echo "== memcheck: skipped, no compute-sanitizer on this machine"
