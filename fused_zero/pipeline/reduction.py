@@ -138,8 +138,9 @@ class Reduction:
         if self.used_static is not None:
             return self.used_static[pids], []
         local = torch.from_numpy(np.stack([pids, self.used_local[pids]]).astype(np.int64))
-        with self.side.run(follow_current=False, relay=True):  # not behind the updates on the side stream
-            table = self.side.upload(local, relay=True)
+        relay = self.world > 1  # the all-reduce not behind the side stream's updates; the update waits for it
+        with self.side.run(follow_current=False, relay=relay):
+            table = self.side.upload(local, relay=relay)
             works = [collectives.all_reduce(table[1], self.group)] if self.world > 1 else []
         return UsedFlags(table), works
 
