@@ -65,9 +65,9 @@ class IssueOrder:
                 self.launches.append((s, checker.clocks.vc[s][s], f"{op} at {_engine_line()}"))
         checker.record = noting
         for name in ("all_reduce", "reduce_scatter"):
-            checker._patch(collectives, name, self._checked(getattr(collectives, name)))
+            checker._patch(collectives, name, self._checked(name, getattr(collectives, name)))
 
-    def _checked(self, modeled):
+    def _checked(self, name: str, modeled):
         def collective(*args, **kwargs):
             work = modeled(*args, **kwargs)
             line = _reduction_line()
@@ -78,7 +78,7 @@ class IssueOrder:
                 vc = self.checker.clocks.vc[sid]
                 behind = [op for s, c, op in self.launches if vc.get(s, 0) >= c]
                 if behind:
-                    self.found.append(f"{self.checker.phase}: {modeled.__name__} at {line} is "
+                    self.found.append(f"{self.checker.phase}: {name} at {line} is "
                                       f"queued on {self.checker.clocks.names[sid]} behind {behind[-1]}")
             return work
         return collective
