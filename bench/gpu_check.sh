@@ -3,22 +3,40 @@
 #
 #     bash bench/gpu_check.sh OUTDIR
 #
-# Needs a python3 that already has torch (CUDA build), triton, pytest and pytest-benchmark; works with
-# the Triton it finds (3.6 on the borrowed machine's image, 3.9 in CI), nothing is reinstalled. Installs
-# this checkout editable without touching dependencies, then runs, in this order:
-#   gpu-tests      tests/gpu (the kernels, the engine, gloo ranks sharing a GPU, NCCL, the sanitizer);
-#   bench-kernels  the update kernels, a device copy and torch's AdamW at 1M, 16M, 64M and 256M elements;
-#   bench-step     one iteration of the demo GPT, fused_zero in each overlap mode against DDP + fused AdamW;
-#   demo           the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
-# The CPU suite is CI's job (tests/, 2 cores) and is not rerun here.
-# Every step logs to OUTDIR/<step>.log and appends "<step> <exit code> <seconds>" to OUTDIR/status.txt
-# (124: it hit its time limit); a failing step does not stop the next one. The script ends with a
-# one-screen summary (bench/gpu_summary.py) and exits 1 when any step failed, naming it.
-# Each step has its own time limit and the whole stays under TOTAL_BUDGET seconds (420: under 8 minutes
-# with the summary and the kill grace): a step gets what is left when that is less than its own limit,
-# and is skipped (status "skipped") when under 10 seconds are left.
-# GPU_CHECK_ONLY="step ..." runs only the named steps (the others: "skipped"), e.g. for a dry run of the
-# status logic where there is no GPU: GPU_CHECK_ONLY=nvidia-smi bash bench/gpu_check.sh /tmp/x
+# Installs nothing: it runs this checkout from its source tree (PYTHONPATH=the checkout; fused_zero/kernels
+# is a link to kernels/), under the python3 it finds, which must already have torch (CUDA build), triton,
+# pytest and pytest-benchmark (the borrowed machine's image: torch 2.11, Triton 3.6; no network there).
+# The active environment is left as it was: no pip, no editable install.
+#
+# Steps, each with its own time limit (LIMIT below, seconds), in this order:
+#   nvidia-smi, versions         what the machine is;
+#   gpu-kernels                  tests/gpu's kernel cases (pays the cold Triton cache: TRITON_CACHE_DIR
+#                                is one folder for every step, so later steps reuse what it compiled);
+#   gpu-engine, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
+#                                the other tests/gpu cases, one pytest each (-k), so a failure or a
+#                                timeout names its case; a step whose cases are absent is "skipped";
+#   memcheck                     compute-sanitizer's memcheck over one small case, where the machine has
+#                                compute-sanitizer (else "skipped");
+#   bench-kernels, bench-step    the update kernels at 1M-256M elements; one demo-GPT iteration per
+#                                overlap mode against DDP + fused AdamW;
+#   demo                         the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
+# The CPU suite is CI's job and is not rerun here.
+#
+# Budget: the limits and RESERVE (room for GPU cases being added: Muon, CUDA graphs) add up to at most
+# TOTAL_BUDGET (360 s), checked before anything runs; FINISH (30 s) more covers the summary and the
+# bundle: 6.5 minutes at most, so that a first run after a machine start (1-2 minutes) and one rerun
+# fit the 15 minutes of device time a session gets. A step gets what is left of TOTAL_BUDGET when that
+# is less than its limit, and is "skipped" when under 5 s are left.
+#
+# Results: OUTDIR/status.txt ("<step> <exit code or skipped> <seconds> <limit>"; 124: the step hit its
+# limit), OUTDIR/summary.txt (bench/gpu_summary.py), OUTDIR/measured.jsonl (every comparison with
+# torch.optim, measured) and OUTDIR/gpu-check.tgz (every log, JUnit XML, benchmark JSON and the trace):
+# four files, as few as a machine that returns at most 8 from OUTDIR needs. A failing step does not stop
+# the next; the script exits 1 naming every failed step.
+#
+# GPU_CHECK_ONLY="step ..." runs only the named steps (the others: "skipped").
+# GPU_CHECK_DRY_RUN=1 runs every step as a CPU stub that prints the command it stands for: the status
+# lines, the budget check and the summary work where there is no GPU (tests/test_gpu_check.py).
 set -u
 
 if [ $# -ne 1 ]; then
@@ -27,60 +45,115 @@ if [ $# -ne 1 ]; then
 fi
 mkdir -p "$1"
 OUT="$(cd "$1" && pwd)"
-cd "$(dirname "$0")/.."
-TOTAL_BUDGET=${TOTAL_BUDGET:-420}
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+TOTAL_BUDGET=${TOTAL_BUDGET:-360}
+FINISH=30
+RESERVE=30
 ONLY=${GPU_CHECK_ONLY:-}
-START=$(date +%s)
+DRY=${GPU_CHECK_DRY_RUN:-}
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$WORK/triton-cache}"
+export PYTHONUNBUFFERED=1
+export GPU_MEASURE="$WORK/measured.jsonl"   # every comparison with torch.optim, measured (tests/gpu)
+: > "$GPU_MEASURE"
 : > "$OUT/status.txt"
+PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 
-# `pytest`, not `python -m pytest`: the latter puts the source tree first on sys.path, and its fused_zero/
-# lacks the kernels subpackage that the installed package maps in from kernels/. -P does the same for
-# python3 -m (Python >= 3.11) where the console scripts are not on PATH.
-if command -v pytest > /dev/null; then PYTEST=(pytest); else PYTEST=(python3 -P -m pytest); fi
-if command -v fused-zero > /dev/null; then FZ=(fused-zero); else FZ=(python3 -P -m fused_zero.demo.cli); fi
+declare -A LIMIT=(
+    [nvidia-smi]=5 [versions]=15
+    [gpu-kernels]=50 [gpu-engine]=25 [gpu-formats]=20 [gpu-host-sync]=20 [gpu-ranks]=25
+    [gpu-torch-sanitizer]=20 [gpu-state-dict]=30 [memcheck]=25
+    [bench-kernels]=30 [bench-step]=25 [demo]=15
+)
+ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-formats gpu-host-sync gpu-ranks gpu-torch-sanitizer
+       gpu-state-dict memcheck bench-kernels bench-step demo)
 
-step() {  # step NAME LIMIT_SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
+sum=$RESERVE
+for name in "${ORDER[@]}"; do sum=$((sum + LIMIT[$name])); done
+echo "== budget: steps ${sum}s (reserve ${RESERVE}s included) of ${TOTAL_BUDGET}s, then ${FINISH}s for the summary"
+if [ "$sum" -gt "$TOTAL_BUDGET" ]; then
+    echo "gpu_check: the step limits add up to ${sum}s, over TOTAL_BUDGET=${TOTAL_BUDGET}s: lower a LIMIT" >&2
+    exit 2
+fi
+START=$(date +%s)
+
+step() {  # step NAME COMMAND...: runs it under LIMIT[NAME]; exit 5 (pytest: no case selected) is "skipped"
+    local name=$1 limit=${LIMIT[$1]}
+    shift
     if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
-        echo "$name skipped 0" >> "$OUT/status.txt"
+        echo "$name skipped 0 $limit" >> "$OUT/status.txt"
         return
     fi
     local left=$((TOTAL_BUDGET - ($(date +%s) - START)))
-    if [ "$left" -lt 10 ]; then
-        echo "$name skipped 0" >> "$OUT/status.txt"
+    if [ "$left" -lt 5 ]; then
+        echo "$name skipped 0 $limit" >> "$OUT/status.txt"
         echo "== $name: skipped, ${left}s of the budget left"
         return
     fi
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== $name (limit ${limit}s)"
     local t0=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name $rc $(($(date +%s) - t0))" >> "$OUT/status.txt"
-    echo "   exit $rc, $(($(date +%s) - t0))s, log $OUT/$name.log"
+    if [ -n "$DRY" ]; then
+        echo "dry run: $*" > "$WORK/$name.log"
+        rc=0
+    else
+        timeout --kill-after=5 "$limit" "$@" > "$WORK/$name.log" 2>&1
+        rc=$?
+    fi
+    local took=$(($(date +%s) - t0)) status=$rc
+    [ "$rc" -eq 5 ] && status=skipped  # none of the step's cases exist (yet)
+    echo "$name $status $took $limit" >> "$OUT/status.txt"
+    echo "   $status, ${took}s of ${limit}s, log $name.log in gpu-check.tgz"
 }
 
-step install 60 python3 -m pip install --no-deps --no-build-isolation -e .
-step nvidia-smi 20 nvidia-smi
-step versions 30 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+gpu() {  # gpu STEP PYTEST_K: the tests/gpu cases matching PYTEST_K
+    step "$1" "${PYTEST[@]}" tests/gpu -k "$2" --junitxml "$WORK/$1.xml"
+}
+
+step nvidia-smi nvidia-smi
+step versions python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); \
 print('triton', triton.__version__)"
-export GPU_MEASURE="$OUT/measured.jsonl"   # every comparison with torch.optim, measured (tests/gpu)
-: > "$GPU_MEASURE"
-step gpu-tests 200 "${PYTEST[@]}" -q -rs tests/gpu -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml"
-step bench-kernels 100 "${PYTEST[@]}" -q bench/test_bench_kernels.py -p no:cacheprovider \
-    -k "1M or 16M or 64M or 256M" --benchmark-json "$OUT/bench-kernels.json"
-step bench-step 90 "${PYTEST[@]}" -q bench/test_bench_step.py -p no:cacheprovider \
-    -k "test_step and iteration" --benchmark-json "$OUT/bench-step.json"
-step demo 40 "${FZ[@]}" demo --world-size 1 --steps 20 --profile "$OUT/trace"
+gpu gpu-kernels "kernels"
+gpu gpu-engine "engine_world1"
+gpu gpu-formats "compact_state_formats"
+gpu gpu-host-sync "never_syncs_the_host"
+gpu gpu-ranks "two_gloo_ranks or nccl_on_two_gpus"
+gpu gpu-torch-sanitizer "cuda_sanitizer"
+gpu gpu-state-dict "state_dict"
+if [ -n "$DRY" ] || command -v compute-sanitizer > /dev/null; then
+    # one small case (GPU_CHECK_MEMCHECK_CASE, a case_ of gpu_cases.py), its kernels compiled already (the
+    # cache above); "skipped" where the case is absent (5) or cannot run on this machine (77)
+    export MEMCHECK_CASE=${GPU_CHECK_MEMCHECK_CASE:-rank0_state_dict}
+    step memcheck bash -c 'grep -q "^def case_${MEMCHECK_CASE}(" tests/gpu/gpu_cases.py || exit 5
+        compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu/gpu_cases.py "$MEMCHECK_CASE"
+        rc=$?; [ $rc -eq 77 ] && exit 5; exit $rc'
+else
+    echo "memcheck skipped 0 ${LIMIT[memcheck]}" >> "$OUT/status.txt"
+    echo "== memcheck: skipped, no compute-sanitizer on this machine"
+fi
+step bench-kernels "${PYTEST[@]}" bench/test_bench_kernels.py -k "1M or 16M or 64M or 256M" \
+    --benchmark-max-time=0.2 --benchmark-json "$WORK/bench-kernels.json"
+step bench-step "${PYTEST[@]}" bench/test_bench_step.py -k "test_step and iteration" \
+    --benchmark-max-time=0.5 --benchmark-json "$WORK/bench-step.json"
+step demo python3 -m fused_zero.demo.cli demo --world-size 1 --steps 10 --profile "$WORK/trace"
 
-echo "== total $(($(date +%s) - START))s"
-timeout 30 python3 bench/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
+echo "== total $(($(date +%s) - START))s of ${TOTAL_BUDGET}s"
+timeout 20 python3 bench/gpu_summary.py "$OUT" "$WORK" | tee "$OUT/summary.txt"
+cp "$GPU_MEASURE" "$OUT/measured.jsonl"
+# the bundle: everything but the Triton cache; the trace only while the bundle stays under 15 MiB
+tar czf "$OUT/gpu-check.tgz" -C "$WORK" --exclude triton-cache . 2> /dev/null
+if [ "$(stat -c %s "$OUT/gpu-check.tgz")" -gt $((15 << 20)) ]; then
+    tar czf "$OUT/gpu-check.tgz" -C "$WORK" --exclude triton-cache --exclude trace . 2> /dev/null
+    echo "gpu_check: the trace left out of gpu-check.tgz (over 15 MiB with it)"
+fi
+rm -rf "$WORK"
 # the exit status does not depend on the summary script working: read status.txt here
 failed=$(awk '$2 != "0" && $2 != "skipped" { printf "%s%s (exit %s)", sep, $1, $2; sep = ", " }' "$OUT/status.txt")
 if [ -n "$failed" ]; then
-    echo "gpu_check: FAILED: $failed (logs in $OUT)" >&2
+    echo "gpu_check: FAILED: $failed (logs in $OUT/gpu-check.tgz)" >&2
     exit 1
 fi
 echo "gpu_check: every step passed"

@@ -1,9 +1,11 @@
 """The one-screen summary ``bench/gpu_check.sh`` ends with, from what its steps left in OUTDIR:
 
-    python bench/gpu_summary.py OUTDIR
+    python bench/gpu_summary.py OUTDIR [WORKDIR]
 
-- every step's status (status.txt: "<step> <exit code or 'skipped'> <seconds>"), failures named;
-- the GPU tests passed / failed / skipped (gpu-tests.xml, pytest's JUnit XML);
+(WORKDIR: where the steps' files are, when not in OUTDIR; gpu_check.sh bundles them afterwards)
+
+- every step's status (status.txt: "<step> <exit code or 'skipped'> <seconds> [limit]"), failures named;
+- the GPU tests passed / failed / skipped (gpu-*.xml, pytest's JUnit XML, one per gpu_check.sh step);
 - the kernels' GB/s as a share of the same run's device copy of the same bytes, at 1M-256M elements
   (bench-kernels.json);
 - the bf16 + master AdamW step against torch's fused AdamW with the casts it needs (same file);
@@ -42,11 +44,13 @@ def failed_steps(rows) -> list[str]:
 
 
 def test_counts(out: Path) -> str:
-    path = out / "gpu-tests.xml"
-    if not path.exists():
-        return "GPU tests: no report (gpu-tests.xml missing)"
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root)
+    paths = sorted(out.glob("gpu-*.xml"))
+    if not paths:
+        return "GPU tests: no report (no gpu-*.xml)"
+    suites = []
+    for path in paths:
+        root = ET.parse(path).getroot()
+        suites += [root] if root.tag == "testsuite" else list(root)
     total = sum(int(s.get("tests", 0)) for s in suites)
     failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
     skipped = sum(int(s.get("skipped", 0)) for s in suites)
@@ -117,14 +121,15 @@ def iteration_table(out: Path) -> list[str]:
     return lines
 
 
-def main(out: Path) -> int:
+def main(out: Path, work: Path | None = None) -> int:
     rows = read_status(out)
+    data = work if work is not None else out
     failed = failed_steps(rows)
     print("=" * 100)
     print("steps: " + " | ".join(f"{n} {'ok' if c == '0' else c} {s}s" for n, c, s in rows))
     for part in (test_counts, kernel_table, iteration_table):
         try:  # one unreadable file must not hide the rest of the summary
-            out_lines = part(out)
+            out_lines = part(data)
         except Exception as e:
             out_lines = f"{part.__name__}: unreadable ({type(e).__name__}: {e})"
         print(out_lines if isinstance(out_lines, str) else "\n".join(out_lines))
@@ -134,7 +139,7 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print(f"usage: {sys.argv[0]} OUTDIR", file=sys.stderr)
+    if len(sys.argv) not in (2, 3):
+        print(f"usage: {sys.argv[0]} OUTDIR [WORKDIR]", file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) == 3 else None))

@@ -28,7 +28,7 @@ from . import hooks
 from .amp import ScalerLink
 from .arena import SingleLaunch
 from .profiling import range_push
-from .reduction import Reduced, Reduction
+from .reduction import Reduced, Reduction, UsedFlags
 from .registry import ShardRegistry
 from .shard import BucketShard
 from .step_counts import StepCounts
@@ -53,8 +53,9 @@ class _Iteration:
         found_inf: one-element device flag, non-zero once an update of this iteration was skipped
             (non-finite gradients on some rank, or a user's edit to ``.grad`` that cannot be honored).
         edited: a user's edit to ``.grad`` (``overlap="step"``: this rank's, then any rank's on CPU).
-        staging: the buckets' copies in ``grad_reduce_dtype``, kept alive until ``step()`` has made the
-            compute stream (which allocated them) wait for the side stream and the reductions using them.
+        staging: the buckets' copies in ``grad_reduce_dtype`` and the used flags' tables (the relay
+            stream's), kept alive until ``step()`` has made the streams that allocated them wait for the
+            side stream and the reductions using them.
     """
 
     hparams: list[dict] | None = None
@@ -201,6 +202,7 @@ class Engine:
             reduced = self.reduction.start(shard, buffer)
         shard.reduced_buffer = reduced.grad  # a staging copy lives until step() joins the side stream:
         it.staging += [reduced.grad] if reduced.grad is not buffer else []
+        it.staging += [reduced.active.table] if isinstance(reduced.active, UsedFlags) else []  # the relay's
         it.ready.append(reduced)
         it.invoked += 1
         it.last_invoked = bucket.is_last()

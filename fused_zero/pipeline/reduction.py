@@ -138,8 +138,9 @@ class Reduction:
         if self.used_static is not None:
             return self.used_static[pids], []
         local = torch.from_numpy(np.stack([pids, self.used_local[pids]]).astype(np.int64))
-        with self.side.run(follow_current=False):
-            table = self.side.upload(local)
+        relay = self.world > 1  # the all-reduce not behind the side stream's updates; the update waits for it
+        with self.side.run(follow_current=False, relay=relay):
+            table = self.side.upload(local, relay=relay)
             works = [collectives.all_reduce(table[1], self.group)] if self.world > 1 else []
         return UsedFlags(table), works
 
@@ -157,7 +158,7 @@ class Reduction:
         - or the head reduce-scattered within the shard group into this rank's own slice of it (the
           output a chunk of the input, as Megatron-core does; gloo and NCCL accept it) and the tail
           all-reduced over DDP's group where it lies; with replicas (R > 1), the slice is then
-          all-reduced across them, issued from the side stream once it has waited for the
+          all-reduced across them, issued from the relay stream once it has waited for the
           reduce-scatter (a stream wait on CUDA; on the CPU, where this plan runs only in tests, a
           host wait in the hook). The other ranks' slices keep this rank's local gradients:
           ``param.grad`` is not the global gradient in this mode.
@@ -187,10 +188,10 @@ class Reduction:
         return grad, [across], across
 
     def _across_replicas(self, works: list, piece: torch.Tensor):
-        """All-reduce this rank's reduced slice across the replicas, from the side stream once it has
+        """All-reduce this rank's reduced slice across the replicas, from the relay stream once it has
         waited for the shard group's reduction (NCCL's communicator of another group does not follow
-        it by itself)."""
-        with self.side.run(follow_current=False):
+        it by itself); not from the side stream, where it would wait for the updates queued there."""
+        with self.side.run(follow_current=False, relay=True):
             for w in works:
                 w.wait()
             return collectives.all_reduce(piece, self.topology.replica_group)

@@ -70,6 +70,9 @@ class SideStream:
         device: the parameters' device.
         api: the stream calls (``CudaStreams``), or None on the CPU.
         stream: the side stream, or None on the CPU.
+        relay: a second stream that issues the reductions queued after the backward's own (the
+            all-reduce across replicas, the used flags' all-reduce): on the side stream they would
+            wait for the updates already queued there (docs/design.md "Issue order per communicator").
         asynchronous: whether queued work runs later (CUDA), so that waits order streams instead of
             blocking the host; the engine's CPU shortcuts apply only where it is False.
     """
@@ -79,20 +82,22 @@ class SideStream:
         self.api = device_streams(device)
         self.asynchronous = self.api is not None and self.api.asynchronous
         self.stream = self.api.side_stream() if self.api is not None else None
+        self.relay = self.api.side_stream() if self.api is not None else None
         self._staging = _PinnedRing(self.api) if self.api is not None else None
 
     @contextlib.contextmanager
-    def run(self, follow_current: bool):
-        """Context in which the updates are queued: on the side stream, under the device's guard.
-        ``follow_current`` orders the side stream after all work queued so far, needed when no
-        collective orders it after the gradients (one rank)."""
+    def run(self, follow_current: bool, relay: bool = False):
+        """Context in which the updates are queued: on the side stream (``relay``: the relay stream),
+        under the device's guard. ``follow_current`` orders that stream after all work queued so far,
+        needed when no collective orders it after the gradients (one rank)."""
         if self.stream is None:
             yield
             return
+        stream = self.relay if relay else self.stream
         with self.api.guard():
             if follow_current:
-                self.stream.wait_stream(self.api.current())
-            with self.api.use(self.stream):
+                stream.wait_stream(self.api.current())
+            with self.api.use(stream):
                 yield
 
     def follow(self) -> None:
@@ -106,8 +111,9 @@ class SideStream:
         the communication stream: the forward pre-hooks and ``synchronize()`` wait for those)."""
         if self.stream is not None:
             self.api.current().wait_stream(self.stream)
+            self.relay.wait_stream(self.stream)  # what the relay allocated may go once the side read it
 
-    def upload(self, table: torch.Tensor) -> torch.Tensor:
+    def upload(self, table: torch.Tensor, relay: bool = False) -> torch.Tensor:
         """A host table on the update's device, copied on the side stream (which reads it first).
 
         The copy goes through a persistent pinned buffer (``_PinnedRing``), not a new pinned
@@ -115,10 +121,10 @@ class SideStream:
         read by kernels queued after this copy."""
         if self.stream is None:
             return table
-        with self.run(follow_current=False):
+        with self.run(follow_current=False, relay=relay):
             host, copied = self._staging.take(table)
             out = self.api.to_device(host)
-            copied.record(self.stream)
+            copied.record(self.relay if relay else self.stream)
         return out
 
     def download(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import collectives
 
-_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS: dict[tuple, object] = {}
 """Process groups made here, by their global ranks (``dist.new_group`` is a collective of every rank)."""
 
 
@@ -209,5 +209,34 @@ def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine:
         key = tuple(members)
         if key not in _GROUPS:
             _GROUPS[key] = dist.new_group(list(key))
+        made.append(_GROUPS[key])
+    return made[mine]
+
+
+def post_update_groups(topo: Topology) -> tuple[object, object]:
+    """``(gathers' group, checks' group)``: twins of the shard group and of DDP's group, for the
+    collectives that wait for an update (the all-gathers, the overflow / norm check's all-reduce) in
+    ``overlap="bucket"``. A communicator runs its collectives in issue order, so on the reductions' own
+    groups the next bucket's reduction would queue behind this bucket's update (docs/design.md "Issue
+    order per communicator"). Made once per set of ranks, by every rank in the same order; where a
+    twin would not number its ranks as the group it stands for, the group itself is used."""
+    ddp_ranks = tuple(sorted(r for members in topo.global_ranks for r in members))
+    check = _twin([ddp_ranks], 0)
+    gather = topo.shard_group
+    if topo.shard_size > 1:
+        gather = _twin(topo.global_ranks, topo.replica)
+        if dist.get_rank(gather) != topo.shard_rank:
+            gather = topo.shard_group
+    if dist.get_rank(check) != topo.rank:
+        check = topo.group
+    return gather, check
+
+
+def _twin(groups, mine: int):
+    made = []
+    for members in groups:
+        key = ("post-update", *sorted(members))
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(key[1:]))
         made.append(_GROUPS[key])
     return made[mine]

@@ -21,6 +21,7 @@ from .profiling import range_push
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
 from .step_counts import Pending
+from .topology import post_update_groups
 
 
 @dataclass
@@ -47,7 +48,11 @@ class Updates:
     def __init__(self, engine):
         self.engine = engine
         self.group, self.world, self.rank = engine.group, engine.world, engine.rank
-
+        # the collectives that wait for an update, off the reductions' communicators where a later
+        # reduction of the same backward would queue behind them (overlap="bucket")
+        topo = engine.topology
+        self.gather_group, self.check_group = post_update_groups(topo) \
+            if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
 
     @property
     def side(self):
@@ -179,7 +184,7 @@ class Updates:
             stats[1] += bad
         stats[2] = float(it.edited)
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
-            collectives.all_reduce(stats, self.group).wait()
+            collectives.all_reduce(stats, self.check_group).wait()
         e.grad_sumsq = stats[0]
         found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
         it.edited = it.edited if self.side.asynchronous else bool(stats[2] > 0)  # a host value on the CPU
@@ -194,4 +199,4 @@ class Updates:
         lo, hi = layout.slice_of(layout.rank)
         with range_push("fused_zero.all_gather"):
             shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
-                                                  self.engine.topology.shard_group)
+                                                  self.gather_group)

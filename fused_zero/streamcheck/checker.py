@@ -207,8 +207,7 @@ class StreamChecker:
         group = group if group is not None else dist.group.WORLD
         sid = self.comm.get(id(group))
         if sid is None:
-            sid = self.comm[id(group)] = self.clocks.stream(f"communication stream {len(self.comm)}",
-                                                            frees_checked=False)
+            sid = self.comm[id(group)] = self.clocks.stream(f"communication stream {len(self.comm)}")
         return sid
 
     def _collective(self, real, read_args: tuple[int, ...], write_args: tuple[int, ...]):

@@ -80,8 +80,8 @@ class Clocks:
 
     def stream(self, name: str, *, frees_checked: bool = True) -> int:
         """A new stream. ``frees_checked=False``: its uses never make a free unsafe (the host, whose
-        accesses are synchronous; communication streams, whose process groups keep their tensors
-        alive until their work is done)."""
+        accesses are synchronous). Communication streams are checked: since torch 2.8 a process group
+        no longer ``record_stream``s the tensors handed to its collectives."""
         self.names.append(name)
         self.vc.append({})
         sid = len(self.names) - 1

@@ -3,7 +3,8 @@ fused_zero optimizer (optimizer_cls_and_kwargs, and optimizers=(opt, sched)) aga
 optim="adamw_torch", a tiny GPT-2 built from a config: parameters, losses, grad_norm and learning rates
 bit for bit over 20 steps with clipping on and gradient accumulation; the rank-0-only checkpoint at step
 10 equal to torch's and a resume from it equal to the uninterrupted run; ZeRO-2 with the clip routed
-into the update to rounding; bf16; fp16 with the Trainer's GradScaler and an inf on one rank (the same
+into the update to rounding; overlap="backward" clipped in the backward to the Trainer's max_grad_norm,
+to rounding; bf16; fp16 with the Trainer's GradScaler and an inf on one rank (the same
 step skipped everywhere); refusals before training. One spawn for all of it."""
 
 import importlib.util
@@ -36,6 +37,8 @@ def test_trainer_with_fused_zero(tmp_path):
         assert r["saved"] == [], r["saved"]
         assert r["resume"] == [] and r["resume_log"] == [], (r["resume"][:5], r["resume_log"][:5])
         assert r["zero2"] == [] and r["zero2_log"] == [], (r["zero2"][:5], r["zero2_log"][:5])
+        assert r["backward_clip"] == CLIP, r["backward_clip"]
+        assert r["backward"] == [] and r["backward_log"] == [], (r["backward"][:5], r["backward_log"][:5])
         assert r["bf16"] == [], r["bf16"][:5]
         assert r["fp16"] == [] and r["fp16_skipped"] and r["fp16_lr"] == [], (r["fp16"][:5], r["fp16_lr"])
         scales, ref_scales = r["fp16_scales"]

@@ -171,6 +171,14 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     out["zero2"] = differences(zero2, ref, exact=False)  # the norm is summed in another order
     out["zero2_log"] = logs_equal(zero2_log, ref_log, rel=1e-5)
 
+    # overlap="backward": the update runs in the last bucket's hook, clipped there to the max_grad_norm
+    # that attach passes on from TrainingArguments (the norm summed in another order: to rounding)
+    backward, _, backward_log, trainer = run_trainer(at("backward"), optim_cls=(fused_zero.AdamW, {
+        "lr": LR, "overlap": "backward"}))
+    out["backward_clip"] = trainer.optimizer.optimizer._engine.max_grad_norm
+    out["backward"] = differences(backward, ref, exact=False)
+    out["backward_log"] = logs_equal(backward_log, ref_log, rel=1e-5)
+
     bf16_ref, _, _, _ = run_trainer(at("bf16_ref"), attach=False, steps=4, bf16=True)
     AcceleratorState._reset_state()  # the mixed precision is fixed per process
     bf16, _, _, _ = run_trainer(at("bf16"), optim_cls=(fused_zero.AdamW, NATIVE), steps=4, bf16=True)
