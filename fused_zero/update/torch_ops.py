@@ -202,15 +202,15 @@ def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.
     table = coefs.tolist()
     runs = [r for r in merged_runs(rows, table) if table[r[4]][0] != 0.0]
     if not runs:
-        return torch.zeros((), dtype=torch.float32, device=grad.device), \
-            torch.zeros((), dtype=torch.float32, device=grad.device)
+        return torch.zeros((), dtype=torch.float32, device=coefs.device), \
+            torch.zeros((), dtype=torch.float32, device=coefs.device)
     scale = 1.0 if grad_scale is None else float(grad_scale)
     norms = torch.stack([torch.linalg.vector_norm(grad[go:go + n], dtype=torch.float32) for _, n, _, go, _ in runs])
-    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32, device=grad.device)
+    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32, device=coefs.device)
     if bool(torch.isfinite(norms).all()):
-        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32, device=grad.device)
-    sumsq = torch.zeros((), dtype=torch.float32, device=grad.device)
-    bad = torch.zeros((), dtype=torch.float32, device=grad.device)
+        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32, device=coefs.device)
+    sumsq = torch.zeros((), dtype=torch.float32, device=coefs.device)
+    bad = torch.zeros((), dtype=torch.float32, device=coefs.device)
     for _, n, _, go, pid in runs:
         g = grad[go:go + n].float() / table[pid][1]
         if grad_scale is not None:
