@@ -109,10 +109,10 @@ class StateDictBuilder:
         p = e.params[pid]
         entry = self.state.setdefault(self._index[id(p)], {})
         if e.algo.kind == "adam":
-            entry["step"] = torch.tensor(float(e.steps[pid]), dtype=torch.float32)
+            entry["step"] = torch.tensor(float(e.steps[pid]), dtype=torch.float32, device="cpu")
         flats = {}
         for name in shard.names:  # bucket order is the parameter's memory order (strides.py)
-            flats[name] = torch.empty(p.numel(), dtype=torch.float32)
+            flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
         return flats
 
@@ -178,7 +178,7 @@ def local_entry(engine, pid: int) -> dict:
             if owner in (me, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":
-        entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32)
+        entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32, device="cpu")
     engine.synchronize()
     for name in shard.names:
         region = shard.values(name)

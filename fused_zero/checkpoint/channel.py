@@ -130,11 +130,11 @@ class Channel:
 
     def send_text(self, text: str, peer: int, tag: int, deadline_s: float) -> None:
         data = text.encode()[:TEXT_BYTES]
-        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8, device="cpu")
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         self.send(buf, peer, tag, deadline_s)
 
     def recv_text(self, peer: int, tag: int, deadline_s: float) -> str:
-        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+        buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8, device="cpu")
         self.recv(buf, peer, tag, deadline_s)
         return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")

@@ -168,7 +168,7 @@ class CheckpointPeers:
                 raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.rank}: {why}")
             pending = collections.deque()
             for i, (shard, name) in enumerate(builder.slices, start=1):
-                buf = torch.empty(shard.layout.shard, dtype=torch.float32)
+                buf = torch.empty(shard.layout.shard, dtype=torch.float32, device="cpu")  # gloo's, host memory
                 pending.append((ch.start_recv(buf, src, request_tag(k, i)), buf, shard, name))
                 if len(pending) >= WINDOW or i == len(builder.slices):
                     while pending:

@@ -82,7 +82,7 @@ def sharded_state_dict(engine) -> dict:
         runs = shard.layout.owners(local, me)
         metas = [ShardMetadata([lo], [hi - lo], f"rank:{placed[_owner(owner)]}/{engine.device}")
                  for lo, hi, owner, _ in runs]
-        entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32)}
+        entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32, device="cpu")}  # torch.optim's
         if id(shard) not in decoded:
             decoded[id(shard)] = {name: shard.values(name) for name in shard.names}
         for name, region in decoded[id(shard)].items():
@@ -153,7 +153,7 @@ def _check(engine, sd):
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
             flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else \
-                torch.zeros(0, dtype=torch.float32)
+                torch.zeros(0, dtype=torch.float32, device=engine.device)
             local[_state_key(name)] = flat
             if name == "master" and mine_runs and float(step) > 0:
                 params = memory_order(p.detach(), p)

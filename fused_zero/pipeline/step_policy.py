@@ -80,7 +80,7 @@ class StepPolicy:
         e = self.engine
         if e.world == 1 or e.side.asynchronous:
             return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=e.device)  # the CPU (see above)
         collectives.all_reduce(t, e.group).wait()
         return bool(t[0] > 0)
 

@@ -58,6 +58,7 @@ class StreamChecker:
         self.host = self.clocks.stream("host", frees_checked=False)
         self.current = self.compute
         self.comm: dict[int, int] = {}
+        self._refs: dict = {}  # storage key -> weak reference to the storage registered there
         self.callbacks: int | None = None  # the stream future callbacks run on (device._ModeledFuture)
         self.syncs: list[tuple[str, str, str, bool]] = []
         self.phase = ""
@@ -136,28 +137,63 @@ class StreamChecker:
 
     # ------------------------------------------------------------------ memory
 
-    def register(self, t: torch.Tensor, host: bool = False, name: str | None = None) -> None:
-        """Know ``t``'s storage (allocated now, on the current stream, unless known already)."""
+    def register(self, t: torch.Tensor, host: bool = False, name: str | None = None, pinned: bool = False,
+                 origin: str = "") -> None:
+        """Know ``t``'s storage (allocated now, on the current stream, unless known already). ``origin``:
+        the host tensor a host-computed one derives from (named in reports: where the data was made)."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key == 0 or key in self.clocks.storages:
+        if key == 0 or self._known(t) is not None:
             return
+        if key in self.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
+            self._freed(key)
         sid = self.host if host else self.current
         label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
-        self.clocks.storage(key, f"{label} (made at {self.where()})", sid, host)
-        weakref.finalize(storage, self._freed, key)
+        label = f"{label} (made at {self.where()}{f', from {origin}' if origin else ''})"
+        self.clocks.storage(key, label, sid, host, pinned).origin = origin
+        ref = self._refs[key] = weakref.ref(storage)
+        weakref.finalize(storage, self._freed, key, ref)
 
-    def _freed(self, key) -> None:
+    def _known(self, t: torch.Tensor):
+        """``t``'s storage as registered, or None: unknown, or a dead storage's entry at the same address."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        ref = self._refs.get(key)
+        if ref is None or ref() is not storage:
+            return None
+        return self.clocks.storages.get(key)
+
+    def origin(self, t: torch.Tensor) -> str:
+        """The host tensor ``t``'s values were first made in (itself, if not computed from another)."""
+        st = self._known(t)
+        if st is None:
+            return ""
+        return st.origin or st.name
+
+    def _freed(self, key, ref=None) -> None:
+        if ref is not None and self._refs.get(key) is not ref:
+            return  # its address was registered again already
+        self._refs.pop(key, None)
         if key in self.clocks.storages:
             self.clocks.freed(key, self.where())
 
     def is_host(self, t: torch.Tensor) -> bool:
-        st = self.clocks.storages.get(t.untyped_storage().data_ptr())
+        st = self._known(t)
         return st is not None and st.host
 
-    def record(self, op: str, reads=(), writes=(), sid: int | None = None) -> None:
+    def is_pageable(self, t: torch.Tensor) -> bool:
+        """Host memory a device stream cannot read: not pinned, not a 0-dim value (CUDA takes a 0-dim
+        CPU tensor as a scalar argument)."""
+        st = self._known(t)
+        return st is not None and st.host and not st.pinned and t.dim() > 0
+
+    def record(self, op: str, reads=(), writes=(), sid: int | None = None, transfer: bool = False) -> None:
         """One operation on ``sid`` (default: the host if it touches host memory only, else the current
-        stream), reading ``reads`` and writing ``writes`` (tensors; the bytes each one spans)."""
+        stream), reading ``reads`` and writing ``writes`` (tensors; the bytes each one spans).
+
+        A device-stream operation reading (or writing) pageable host memory (``is_pageable``; index
+        tensors are reads too) is reported, unless it is a ``transfer``: a copy to the device, which
+        CUDA does from any host memory (a host wait from pageable memory, logged by the caller)."""
         spans = [(t, False) for t in reads] + [(t, True) for t in writes]
         spans = [(t, w) for t, w in spans if t.numel()]
         if not spans:
@@ -174,6 +210,10 @@ class StreamChecker:
             else:
                 sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
         where = self.where()
+        if sid != self.host and not transfer:
+            for t, _ in spans:
+                if self.is_pageable(t):
+                    self.clocks.host_read(t.untyped_storage().data_ptr(), *_span(t), sid, op, where)
         for key, lo, hi, write in _coalesce(spans):
             self.clocks.access(key, lo, hi, sid, write, op, where)
         if sid == self.host:  # the host's work is done before anything queued after it

@@ -40,12 +40,17 @@ class Storage:
     name: str
     stream: int  # the allocating stream (the allocator's pool it returns to)
     host: bool = False
+    pinned: bool = False  # host memory a device stream may read (an asynchronous copy's source)
+    origin: str = ""  # host memory computed on the host: the name of the storage its values come from
     accesses: list[Access] = field(default_factory=list)
+
+
+HOST_READ = "host memory read on a device stream"
 
 
 @dataclass(frozen=True)
 class Hazard:
-    kind: str  # "read after write", "write after write", "write after read", "freed while in use"
+    kind: str  # "read after write", "write after write", "write after read", "freed while in use", HOST_READ
     storage: str
     first: Access
     second: Access | None  # None for a free
@@ -54,6 +59,10 @@ class Hazard:
 
     def __str__(self) -> str:
         a, b = self.streams
+        if self.kind == HOST_READ:
+            return (f"{self.kind}: {a} ran {self.first.op} at {self.first.where}, using {self.storage} "
+                    f"[{self.first.lo}:{self.first.hi}) bytes, neither pinned nor 0-dim: CUDA refuses a tensor "
+                    f"on another device (an index too), or copies it with a host wait")
         head = f"{self.kind} on {self.storage} [{self.first.lo}:{self.first.hi}) bytes"
         if self.second is None:
             return (f"{head}: {a} used it in {self.first.op} at {self.first.where}; it was freed into {b}'s "
@@ -114,11 +123,18 @@ class Clocks:
 
     # ------------------------------------------------------------------ memory
 
-    def storage(self, key, name: str, sid: int, host: bool = False) -> Storage:
+    def storage(self, key, name: str, sid: int, host: bool = False, pinned: bool = False) -> Storage:
         st = self.storages.get(key)
         if st is None:
-            st = self.storages[key] = Storage(name, sid, host)
+            st = self.storages[key] = Storage(name, sid, host, pinned)
         return st
+
+    def host_read(self, key, lo: int, hi: int, sid: int, op: str, where: str) -> None:
+        """Stream ``sid`` (a device stream) runs ``op`` on pageable host memory: reported whatever
+        the ordering (the device cannot read it; CUDA refuses the operation or stages a blocking copy)."""
+        st = self.storages[key]
+        access = Access(sid, self.vc[sid].get(sid, 0), lo, hi, False, op, where)
+        self.hazards.append(Hazard(HOST_READ, st.name, access, None, (self.names[sid], "host")))
 
     def access(self, key, lo: int, hi: int, sid: int, write: bool, op: str, where: str) -> None:
         st = self.storages[key]

@@ -89,7 +89,7 @@ class ModeledStreams:
     def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         with self.checker.paused():
             t = torch.empty(shape, dtype=dtype)
-        self.checker.register(t, host=True, name=f"pinned {dtype} {tuple(t.shape)}")
+        self.checker.register(t, host=True, name=f"pinned {dtype} {tuple(t.shape)}", pinned=True)
         return t
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

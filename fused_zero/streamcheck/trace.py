@@ -60,11 +60,13 @@ def _factory(checker, real):
         # name one; "cpu" as a string is how fused_zero asks for host memory explicitly)
         device = kwargs.get("device")
         host = device is None or isinstance(device, str)
+        pinned = host and bool(kwargs.get("pin_memory"))
         with checker.paused():
             out = real(*args, **kwargs)
         made = _tensors(out)
+        kind = "pinned" if pinned else "host" if host else "device"
         for t in made:
-            checker.register(t, host=host, name=f"{'host' if host else 'device'} {real.__name__} {tuple(t.shape)}")
+            checker.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned)
         if real.__name__ != "empty":  # the values it fills in are a write, on the stream it runs on
             checker.record(f"torch.{real.__name__}", writes=made)
         return out
@@ -85,9 +87,16 @@ def _to(checker, real):
         if target is not None and not checker.is_paused():
             source_host = checker.is_host(self)
             to_host = isinstance(target, str) and target == "cpu"
-            if source_host and not to_host and not kwargs.get("non_blocking", False):
-                checker.log_sync("blocking host-to-device copy (tensor.to(device) from pageable memory)")
-            elif not source_host and to_host:
+            if source_host and not to_host:
+                if not kwargs.get("non_blocking", False):
+                    checker.log_sync("blocking host-to-device copy (tensor.to(device) from pageable memory)")
+                # a copy in device memory, as on a GPU (on the CPU ``to`` hands back the host tensor itself)
+                with checker.paused():
+                    out = real(self, *args, **{**kwargs, "copy": True})
+                checker.register(out, name=f"device copy {tuple(out.shape)}")
+                checker.record("tensor.to(device)", reads=[self], writes=[out], transfer=True)
+                return out
+            if not source_host and to_host:
                 checker.host_read(self, "tensor.to('cpu')")
         return real(self, *args, **kwargs)
     return to
@@ -129,9 +138,15 @@ class DispatchCalls(TorchDispatchMode):
         # a host scalar
         shaped = [t for t in inputs if t.dim()] or inputs
         host = all(checker.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
+        origin = checker.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
         for t in fresh:
-            checker.register(t, host=host)
-        checker.record(f"aten.{name}", reads=reads, writes=writes + fresh)
+            checker.register(t, host=host, origin=origin)
+        # a copy from host memory into device memory is a transfer, not a device operation on host
+        # memory: CUDA makes it from any host memory, with a host wait from pageable memory
+        transfer = name == "copy_" and not checker.is_host(args[0]) and checker.is_host(args[1])
+        if transfer and checker.is_pageable(args[1]):
+            checker.log_sync("blocking host-to-device copy (copy_ from pageable memory)")
+        checker.record(f"aten.{name}", reads=reads, writes=writes + fresh, transfer=transfer)
         if name == "_local_scalar_dense" and reads and not checker.is_host(reads[0]):
             checker.host_read(reads[0], "a device value read by the host (item(), bool(), float())", record=False)
         return out

@@ -80,35 +80,41 @@ def sr_keys(seed: int, steps: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------- whole regions
 
 
-def _blocks(rows: torch.Tensor, size: int) -> torch.Tensor:
-    """Each region slot's block (row) number; -1 where no row covers it."""
-    out = torch.full((size,), -1, dtype=torch.int64)
-    for so, n, *_, block in rows[:, [0, 1, 7]].tolist():
+def _blocks(rows: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
+    """Each region slot's block (row) number, on the region's ``device`` (CUDA takes no index from
+    another device); -1 where no row covers it. Filled row by row from the host table's numbers: no
+    host tensor reaches the device, and the host never waits for it."""
+    out = torch.full((size,), -1, dtype=torch.int64, device=device)
+    for so, n, block in rows[:, [0, 1, 7]].tolist():
         out[so:so + n] = block
     return out
 
 
 def values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str) -> torch.Tensor:
-    """A region decoded to fp32 (slots no row covers: 0)."""
+    """A region decoded to fp32 (slots no row covers: 0). Without boolean indexing, whose output size
+    the host would wait for on CUDA."""
     if t.dtype == torch.float32:
         return t
     if t.dtype == torch.bfloat16:
         return t.float()
-    block = _blocks(rows, t.numel())
-    covered = block >= 0
-    out = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-    out[covered] = decode8(t[covered], SIGNED[name]) * scale[block[covered]]
-    return out
+    if not scale.numel():
+        return torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+    block = _blocks(rows, t.numel(), t.device)
+    return torch.where(block >= 0, decode8(t, SIGNED[name]) * scale[block.clamp(min=0)], 0.0)
 
 
 def store_values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str,
                  x: torch.Tensor) -> None:
-    """Encode fp32 ``x`` (region-shaped) into the region, block by block for 8-bit moments."""
+    """Encode fp32 ``x`` (region-shaped, on the region's device) into the region, block by block for
+    8-bit moments; slots no row covers keep their codes. A block's scale is the largest magnitude among
+    its own slots: the uncovered slots, zeroed, count towards block 0 and change no maximum."""
     if t.dtype != torch.uint8:
         t.copy_(x)
         return
-    block = _blocks(rows, t.numel())
+    if not scale.numel():
+        return
+    block = _blocks(rows, t.numel(), t.device)
     covered = block >= 0
-    codes, s = encode_blocks(x[covered], block[covered], scale.numel(), SIGNED[name])
-    t[covered] = codes
+    codes, s = encode_blocks(torch.where(covered, x, 0.0), block.clamp(min=0), scale.numel(), SIGNED[name])
+    t.copy_(torch.where(covered, codes, t))
     scale.copy_(s)

@@ -92,8 +92,10 @@ class _Moments:
     def __init__(self, args, so: int, n: int, blocks: list[int] | None, lengths: list[int] | None):
         self.args, self.so, self.n = args, so, n
         if args.scales and blocks is not None:
-            self.ids = torch.tensor(blocks)
-            self.local = torch.repeat_interleave(torch.arange(len(blocks)), torch.tensor(lengths))
+            device = args.param.device  # the CPU: this path is refused elsewhere (options.py)
+            self.ids = torch.tensor(blocks, dtype=torch.int64, device=device)
+            self.local = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int64, device=device),
+                                                 torch.tensor(lengths, dtype=torch.int64, device=device))
 
     def get(self, name: str) -> torch.Tensor:
         t = self.args.state[name][self.so:self.so + self.n]
@@ -139,7 +141,8 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
         else:
             _sgd_row(args, c, p, moments, n, go, maximize, nesterov)
         if args.stochastic:
-            args.param[po:po + n].copy_(round_stochastic(p, int(keys[pid]), torch.arange(elem, elem + n)))
+            args.param[po:po + n].copy_(round_stochastic(
+                p, int(keys[pid]), torch.arange(elem, elem + n, dtype=torch.int64, device=p.device)))
         elif master is not None or args.param.dtype != torch.float32:
             args.param[po:po + n].copy_(p)
 
@@ -199,14 +202,15 @@ def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.
     table = coefs.tolist()
     runs = [r for r in merged_runs(rows, table) if table[r[4]][0] != 0.0]
     if not runs:
-        return torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=coefs.device), \
+            torch.zeros((), dtype=torch.float32, device=coefs.device)
     scale = 1.0 if grad_scale is None else float(grad_scale)
     norms = torch.stack([torch.linalg.vector_norm(grad[go:go + n], dtype=torch.float32) for _, n, _, go, _ in runs])
-    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32)
+    norms = norms / torch.tensor([table[pid][1] * scale for *_, pid in runs], dtype=torch.float32, device=coefs.device)
     if bool(torch.isfinite(norms).all()):
-        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32)
-    sumsq = torch.zeros((), dtype=torch.float32)
-    bad = torch.zeros((), dtype=torch.float32)
+        return (norms * norms).sum(), torch.zeros((), dtype=torch.float32, device=coefs.device)
+    sumsq = torch.zeros((), dtype=torch.float32, device=coefs.device)
+    bad = torch.zeros((), dtype=torch.float32, device=coefs.device)
     for _, n, _, go, pid in runs:
         g = grad[go:go + n].float() / table[pid][1]
         if grad_scale is not None:
