@@ -237,13 +237,16 @@ def misuses(rank, world):
 
     # a rank that has not published the step rank 0 asks for (its count held back by one, as if its
     # training thread were still finishing the step): rank 0 is refused once the deadline has passed
+    versions = opt._peers.versions
     if rank == 1:
-        opt._peers.version -= 1
+        versions.newest -= 1
+        held_back = versions.kept.pop()
     if rank == 0:
         out["not_there"] = _error_of(opt.state_dict)
     dist.barrier()
     if rank == 1:
-        opt._peers.version += 1
+        versions.newest += 1
+        versions.kept.append(held_back)
 
     # none of it broke anything: training and rank 0's checkpoints go on
     _train_both(case, built, rank, 3)
