@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from .trace import DispatchCalls
+
 
 class ModeledStream:
     def __init__(self, checker, sid: int):
@@ -25,6 +27,8 @@ class ModeledStream:
         clocks.merge(self.sid, clocks.snapshot(other.sid))
 
     def wait_event(self, event: ModeledEvent) -> None:
+        if event.pending:
+            self.checker.report_deadlock(f"{self!r} waits for {event.pending}")
         if event.vc is not None:
             self.checker.clocks.merge(self.sid, event.vc)
 
@@ -41,6 +45,7 @@ class ModeledEvent:
     def __init__(self, checker):
         self.checker = checker
         self.vc: dict[int, int] | None = None
+        self.pending = ""  # why it cannot complete yet (StreamChecker.pending_event), or ""
 
     def record(self, stream: ModeledStream | None = None) -> None:
         sid = stream.sid if stream is not None else self.checker.current
@@ -52,6 +57,8 @@ class ModeledEvent:
         return True
 
     def synchronize(self) -> None:
+        if self.pending:
+            self.checker.report_deadlock(f"the host waits for {self.pending}")
         self.checker.log_sync("event.synchronize()")
         if self.vc is not None:
             self.checker.clocks.host_sync(self.vc)
@@ -68,15 +75,23 @@ class ModeledStreams:
     def side_stream(self) -> ModeledStream:
         return ModeledStream(self.checker, self.checker.clocks.stream("side stream"))
 
+    def copy_stream(self) -> ModeledStream:
+        """The checkpoint server's stream: queued on by its thread only (``private``)."""
+        return ModeledStream(self.checker, self.checker.clocks.stream("checkpoint server stream", private=True))
+
     def current(self) -> ModeledStream:
         return ModeledStream(self.checker, self.checker.current)
 
     @contextlib.contextmanager
     def use(self, stream: ModeledStream):
+        """In another thread than the training one (the checkpoint server's), its tensor operations are
+        seen here too: a dispatch mode of that thread for the duration."""
         checker = self.checker
         before, checker.current = checker.current, stream.sid
+        mode = contextlib.nullcontext() if checker.in_training_thread() else DispatchCalls(checker)
         try:
-            yield
+            with mode:
+                yield
         finally:
             checker.current = before
 
@@ -102,6 +117,19 @@ class ModeledStreams:
         checker.record("copy host->device (non_blocking)", reads=[host], writes=[out])
         return out
 
+    def to_host_blocking(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy on the current stream that the calling thread waits for (the server's reads)."""
+        checker = self.checker
+        with checker.paused():
+            out = t.clone()
+        checker.register(out, host=True, name=f"host copy {tuple(out.shape)}")
+        checker.record("copy device->host (blocking)", reads=[t], writes=[out], sid=checker.current)
+        if checker.in_training_thread():
+            checker.host_read(t, "blocking copy to the host", record=False)
+        else:
+            checker.finished_serving(checker.current)
+        return out
+
     def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
         checker = self.checker
         with checker.paused():
@@ -116,10 +144,13 @@ class ModeledWork:
         self.checker, self.work, self.vc, self.outputs = checker, work, vc, outputs
 
     def wait(self, timeout=None) -> bool:
+        checker = self.checker
         if self.work is not None:
-            with self.checker.paused():  # gloo's own copies when it finishes (its output) are not ours
+            with checker.paused():  # gloo's own copies when it finishes (its output) are not ours
                 self.work.wait()
-        self.checker.clocks.merge(self.checker.current, self.vc)
+        with checker.lock:  # every rank joined it: the requesters this rank served had been served
+            checker.clocks.merge(checker.current, self.vc)
+            checker.clocks.merge(checker.current, checker.served)
         return True
 
     def get_future(self) -> _ModeledFuture:
