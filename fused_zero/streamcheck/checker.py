@@ -218,6 +218,8 @@ class StreamChecker:
                 sid = self.host
             else:
                 sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
+        if sid == self.host and not self.in_training_thread():  # the server thread's own host work: what
+            sid = self.current  # it queues next on its stream follows it in its program order
         where = self.where()
         for key, lo, hi, write in _coalesce(spans):
             self.clocks.access(key, lo, hi, sid, write, op, where)
