@@ -40,8 +40,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..pipeline import collectives, streams
 from ..update.algorithms import Algorithm
-from .clocks import Access, Clocks, Hazard
-from .device import ModeledEvent, ModeledStreams, ModeledWork
+from .clocks import Clocks, Hazard
+from .device import ModeledEvent, ModeledStreams, ModeledWork, finished_serving
 from .trace import DispatchCalls, function_patches
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,8 +79,7 @@ class StreamChecker:
 
     @property
     def current(self) -> int | None:
-        default = self.compute if self.in_training_thread() else None
-        return getattr(self._local, "sid", default)
+        return getattr(self._local, "sid", self.compute if self.in_training_thread() else None)
 
     @current.setter
     def current(self, sid: int | None) -> None:
@@ -89,17 +88,8 @@ class StreamChecker:
     def in_training_thread(self) -> bool:
         return threading.get_ident() == self._thread
 
-    def pending_event(self, why: str):
-        """An event that cannot complete before the request being served is answered (``why``)."""
-        event = ModeledEvent(self)
-        event.vc, event.pending = {}, why
-        return event
-
-    def report_deadlock(self, why: str) -> None:
-        where = self.where()
-        with self.lock:
-            self.clocks.hazards.append(Hazard("deadlock", why, Access(-1, 0, 0, 0, False, "wait", where), None,
-                                              ("", ""), where))
+    def pending_event(self, why: str) -> ModeledEvent:  # one that cannot complete before ``why`` is answered
+        return ModeledEvent(self, pending=why)
 
     # ------------------------------------------------------------------ results
 
@@ -218,8 +208,8 @@ class StreamChecker:
                 sid = self.host
             else:
                 sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
-        if sid == self.host and not self.in_training_thread():  # the server thread's own host work: what
-            sid = self.current  # it queues next on its stream follows it in its program order
+        if sid == self.host and not self.in_training_thread():  # the server's host work: before its next
+            sid = self.current
         where = self.where()
         for key, lo, hi, write in _coalesce(spans):
             self.clocks.access(key, lo, hi, sid, write, op, where)
@@ -227,22 +217,16 @@ class StreamChecker:
             self.clocks.host_sync(self.clocks.snapshot(self.host))
 
     def host_read(self, t: torch.Tensor, what: str, record: bool = True) -> None:
-        """The host reads a device value: a copy on the current stream, then a host wait for it. In the
-        server's thread: a wait of that thread alone, off the step path (neither logged nor ordering
-        the training thread's streams)."""
+        """The host reads a device value: a copy on the current stream, then a host wait for it (in the
+        server's thread, off the step path: neither logged nor ordering the training thread's streams)."""
         if record:
             self.record(what, reads=[t])
         if not self.in_training_thread():
             if self.current is not None:
-                self.finished_serving(self.current)
+                finished_serving(self, self.current)
             return
         self.log_sync(what)
         self.clocks.host_sync(self.clocks.snapshot(self.current))
-
-    def finished_serving(self, sid: int) -> None:
-        """The server's thread saw its copies on ``sid`` done (a blocking copy): see ``served``."""
-        with self.lock:
-            self.clocks.merge_into(self.served, self.clocks.snapshot(sid))
 
     def log_sync(self, what: str) -> None:
         self.syncs.append((what, self.where(), self.phase, _ours(sys._getframe(1))))

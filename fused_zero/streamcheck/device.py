@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from .clocks import Access, Hazard
 from .trace import DispatchCalls
 
 
@@ -28,7 +29,7 @@ class ModeledStream:
 
     def wait_event(self, event: ModeledEvent) -> None:
         if event.pending:
-            self.checker.report_deadlock(f"{self!r} waits for {event.pending}")
+            _deadlock(self.checker, f"{self!r} waits for {event.pending}")
         if event.vc is not None:
             self.checker.clocks.merge(self.sid, event.vc)
 
@@ -42,10 +43,10 @@ class ModeledStream:
 
 
 class ModeledEvent:
-    def __init__(self, checker):
+    def __init__(self, checker, pending: str = ""):
         self.checker = checker
-        self.vc: dict[int, int] | None = None
-        self.pending = ""  # why it cannot complete yet (StreamChecker.pending_event), or ""
+        self.vc: dict[int, int] | None = {} if pending else None
+        self.pending = pending  # why it cannot complete yet (StreamChecker.pending_event), or ""
 
     def record(self, stream: ModeledStream | None = None) -> None:
         sid = stream.sid if stream is not None else self.checker.current
@@ -58,10 +59,23 @@ class ModeledEvent:
 
     def synchronize(self) -> None:
         if self.pending:
-            self.checker.report_deadlock(f"the host waits for {self.pending}")
+            _deadlock(self.checker, f"the host waits for {self.pending}")
         self.checker.log_sync("event.synchronize()")
         if self.vc is not None:
             self.checker.clocks.host_sync(self.vc)
+
+
+def finished_serving(checker, sid: int) -> None:
+    """The server's thread saw its copies on ``sid`` done (a blocking copy): see ``checker.served``."""
+    with checker.lock:
+        checker.clocks.merge_into(checker.served, checker.clocks.snapshot(sid))
+
+
+def _deadlock(checker, why: str) -> None:
+    where = checker.where()
+    with checker.lock:
+        checker.clocks.hazards.append(Hazard("deadlock", why, Access(-1, 0, 0, 0, False, "wait", where), None,
+                                             ("", ""), where))
 
 
 class ModeledStreams:
@@ -127,7 +141,7 @@ class ModeledStreams:
         if checker.in_training_thread():
             checker.host_read(t, "blocking copy to the host", record=False)
         else:
-            checker.finished_serving(checker.current)
+            finished_serving(checker, checker.current)
         return out
 
     def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
