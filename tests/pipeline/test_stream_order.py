@@ -14,6 +14,10 @@ another stream's use of it is not ordered before that stream.
   both reductions (``sharded_configs``): zero hazards too. Removing the side stream's wait for the
   reduce-scatter before the all-reduce across replicas is named, and so is a bf16 staging copy freed
   before ``step()`` joins the side stream.
+- The checkpoint server: rank 0 alone calls ``state_dict()`` after step 3 in every run (its peer's
+  server thread and stream are modeled); with the other host run ahead (``RunAhead``) zero hazards in
+  every overlap mode; serving only the newest version (issue 23's defect 1) and a server read that does
+  not wait for the published event (issue 28's defect 6) are named.
 - Each ordering fix of the CUDA path, reverted, is named by the checker (the defect and its line):
   the skip counter and the GradScaler's found-inf flag written on the compute stream before it joins
   the side stream, and the found-inf flag zero-filled on the compute stream after the first reduction
