@@ -157,10 +157,10 @@ class ShardServer:
                            f"group (none attached within {channel.JOIN_DEADLINE_S:.0f} s, or it was deleted): attach "
                            "the optimizers in the same order on every rank")
                 else:
-                    why = peers.ready_for(msg["version"], msg["fingerprint"])
+                    why, record = peers.ready_for(msg["version"], msg["fingerprint"])
                 self.channel.send_text(why, src, request_tag(k, 0), channel.TRANSFER_DEADLINE_S)
                 if not why:
-                    peers.send_slices(self.channel, src, k)
+                    peers.send_slices(self.channel, src, k, record)
             except ChannelError:
                 pass  # the requester's process is gone or stuck; it raised on its side
             except Exception as e:  # never let the thread die: later requests would wait for nothing

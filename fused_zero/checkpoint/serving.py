@@ -45,15 +45,14 @@ that to finish (server.py).
 from __future__ import annotations
 
 import collections
-import threading
 import time
 
 import torch
 
 from . import channel
-from .canonical import layout_fingerprint, sharded_slices
 from .channel import Channel, ChannelError, request_tag
 from .server import ShardServer, server_for
+from .versions import Published, Versions
 
 WINDOW = 8
 """Messages in flight per peer while slices are sent and received."""
@@ -82,26 +81,25 @@ class CheckpointPeers:
     def __init__(self, engine, server: ShardServer | None):
         self.engine = engine
         self.server = server
-        self.version = 0
+        self.versions = Versions()  # what serving each recent version needs (versions.py)
         self.number = server.register(self) if server is not None else None
-        self._events: tuple = ()  # CUDA: what the server's reads wait for (see published)
         self._stream = None  # CUDA: the server's own stream, made when first needed
-        self._cond = threading.Condition()
-        self._waiting = False
+        self.published()  # version 0: the state as attach laid it out
+
+    @property
+    def version(self) -> int:
+        return self.versions.newest
 
     # ------------------------------------------------------------------ the training thread
 
     def published(self) -> None:
         """A step (or a load) completed on this rank: its state may be served as this version."""
+        e = self.engine
         if self.server is None:
             return
-        e = self.engine
-        if e.side.stream is not None:  # step() has joined the side stream: the current stream is after it
-            self._events = (e.side.api.current().record_event(),)
-        self.version += 1
-        if self._waiting:
-            with self._cond:
-                self._cond.notify_all()
+        # step() has joined the side stream: the current stream is after it
+        events = (e.side.api.current().record_event(),) if e.side.stream is not None else ()
+        self.versions.publish(e, events)
 
     def state_dict(self, to: int | None, make_builder):
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
@@ -213,51 +211,53 @@ class CheckpointPeers:
 
     # ------------------------------------------------------------------ the server thread
 
-    def ready_for(self, version: int, fingerprint: int) -> str:
-        """Why this rank cannot serve ``version`` ("" once it can), waiting up to JOIN_DEADLINE_S for its
-        training thread to publish it."""
+    def ready_for(self, version: int, fingerprint: int) -> tuple[str, Published | None]:
+        """Why this rank cannot serve ``version`` ("" once it can) and the version's record, waiting up
+        to JOIN_DEADLINE_S for its training thread to publish it. A version this rank's host has gone
+        past is served from its record (versions.py: the host runs ahead of the device)."""
         deadline = time.monotonic() + channel.JOIN_DEADLINE_S
-        with self._cond:
-            self._waiting = True
+        versions = self.versions
+        with versions.cond:
+            versions.waiting = True
             try:
-                while self.version < version and time.monotonic() < deadline:
-                    self._cond.wait(min(deadline - time.monotonic(), 0.5))
+                while versions.newest < version and time.monotonic() < deadline:
+                    versions.cond.wait(min(deadline - time.monotonic(), 0.5))
             finally:
-                self._waiting = False
-        mine = self.version
-        if mine != version:
+                versions.waiting = False
+            mine, record = versions.newest, versions.get(version)
+        if record is None:
             late = f", and it did not get there within {channel.JOIN_DEADLINE_S:.0f} s" if mine < version else ""
             return (f"rank {self.engine.rank} is at version {mine} (completed steps and loads), the requester at "
-                    f"{version}{late}: " + USAGE)
-        if layout_fingerprint(self.engine) != fingerprint:
-            return f"rank {self.engine.rank} holds another bucket layout than the requester's at the same version"
-        return ""
+                    f"{version}{late}: " + USAGE), None
+        if record.fingerprint != fingerprint:
+            return f"rank {self.engine.rank} holds another bucket layout than the requester's at the same version", None
+        return "", record
 
-    def send_slices(self, ch: Channel, dst: int, k: int) -> None:
-        """This rank's slice of every sharded state region, in the order the requester's builder takes."""
-        e = self.engine
+    def send_slices(self, ch: Channel, dst: int, k: int, record: Published) -> None:
+        """This rank's slice of every sharded state region of ``record``'s version, in the order the
+        requester's builder takes."""
         pending = collections.deque()
-        order = sharded_slices(e)
-        for i, (shard, name) in enumerate(order, start=1):
-            data = self._host(shard, name)
+        for i, (shard, name) in enumerate(record.slices, start=1):
+            data = self._host(shard, name, record.events)
             pending.append((ch.start_send(data, dst, request_tag(k, i)), data))
-            if len(pending) >= WINDOW or i == len(order):
+            if len(pending) >= WINDOW or i == len(record.slices):
                 while pending:
                     work, data = pending.popleft()
                     ch.wait(work, data, dst, "sending optimizer state to", channel.TRANSFER_DEADLINE_S)
 
-    def _host(self, shard, name: str) -> torch.Tensor:
+    def _host(self, shard, name: str, events: tuple) -> torch.Tensor:
         """This rank's slice of a state region, in fp32 (decoded where the moments are compact) and
-        readable by gloo: on the CPU the region's own elements where stored in fp32; on CUDA a host copy
-        made on this thread's own stream once the last published step's updates are done (module
-        docstring, GPU), the decoding included."""
+        readable by gloo: where work runs inline (the CPU), the region's own elements where stored in
+        fp32; on CUDA a host copy made on this thread's own stream once the served version's updates are
+        done (``events``: that version's, never a later one's; module docstring, GPU), the decoding
+        included."""
         lo, _ = shard.layout.region_slice(shard.layout.rank)
-        device = shard.device
-        if device.type == "cpu":
+        api = self.engine.side.api
+        if api is None:
             return shard.values(name)[lo:lo + shard.layout.shard].contiguous()
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(self._stream):
-            for event in self._events:
+            self._stream = api.copy_stream()
+        with api.guard(), api.use(self._stream):
+            for event in events:
                 self._stream.wait_event(event)
-            return shard.values(name)[lo:lo + shard.layout.shard].to("cpu")
+            return api.to_host_blocking(shard.values(name)[lo:lo + shard.layout.shard])

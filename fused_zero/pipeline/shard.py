@@ -15,6 +15,7 @@ update (checkpoints, resharding) sees region-shaped fp32.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass
 
@@ -223,6 +224,15 @@ class BucketShard:
         """Encode fp32 region values ``x`` into one state name, as an update would."""
         for part in self.parts:
             part.store_region(name, x)
+
+    def frozen(self) -> BucketShard:
+        """A copy whose ``values`` read this shard's state tensors as they are now, whatever the shard
+        holds later (``relocate`` gives its parts new tensors): what a version published now is served
+        from (checkpoint/versions.py). It keeps those tensors alive; it shares the layout and
+        parameters, and is never updated."""
+        out = copy.copy(self)
+        out.parts = [copy.copy(part) for part in self.parts]
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of optimizer state this shard holds: each part's state and scales."""

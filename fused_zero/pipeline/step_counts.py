@@ -14,6 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+HOST_RUN_AHEAD = 1
+"""How many steps a rank's host can complete beyond the last one every rank has started the next
+iteration after. On CUDA the reductions and every wait for them are stream operations, so nothing on
+the step path blocks the host but ``settle``: iteration N+2's first coefficient table waits for
+iteration N+1's skip flags, which follow N+1's updates, which follow its reductions, which need every
+rank of the shard group in iteration N+1. So a rank whose peer stopped after step N (in a rank-0-only
+``state_dict()``) publishes step N+1 at most (checkpoint/versions.py keeps what serving N needs)."""
+
 
 @dataclass
 class Pending:

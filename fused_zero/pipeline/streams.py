@@ -36,6 +36,10 @@ class CudaStreams:
         highest = torch.cuda.Stream.priority_range()[1]  # (lowest, highest): lower is higher
         return torch.cuda.Stream(self.device, priority=highest)
 
+    def copy_stream(self):
+        """A stream of default priority for copies off the step path (the checkpoint server's)."""
+        return torch.cuda.Stream(self.device)
+
     def current(self):
         return torch.cuda.current_stream(self.device)
 
@@ -58,6 +62,11 @@ class CudaStreams:
     def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
         """Queue a copy of device ``t`` into pinned ``out`` on the current stream."""
         out.copy_(t, non_blocking=True)
+
+    def to_host_blocking(self, t: torch.Tensor) -> torch.Tensor:
+        """A pageable host copy of device ``t``, made on the current stream; the calling thread waits for
+        it (the checkpoint server's thread, never the training thread)."""
+        return t.to("cpu")
 
 
 def device_streams(device: torch.device) -> CudaStreams | None:

@@ -11,6 +11,17 @@ forward and backward and DDP's own work included, runs on the compute stream (or
 the host). The operations still compute for real (gloo, torch's CPU ops), so training goes on as usual
 while the ordering is recorded (clocks.py).
 
+The checkpoint server's thread (checkpoint/serving.py) is modeled too: whatever it queues inside the
+stand-ins' ``use(stream)`` runs on its own stream (``copy_stream``), seen through a dispatch mode of that
+thread; a host synchronization of the training thread does not order that stream (only the events it
+waits for do), and its own blocking copies are not the step path's synchronizations. A Work's ``wait()``
+orders the waiting stream only, never the host (gloo's real wait is only for the values); once the real
+wait returned, every rank of the group has joined the collective, so the waiter also follows what this
+rank's server had finished serving by then (a requester joins its next collective only once served).
+``pending_event`` stands for an event recorded after work that cannot run before a request is answered
+(behind a collective the requester has not joined: a host that ran ahead, see checkpoint/versions.py):
+waiting for it is reported as a deadlock.
+
 What it cannot see: ordering that only timing gives (it assumes none), and DDP's C++ waits other than
 on the futures the comm hook returns (modeled: ``finalize_backward`` waits for them).
 """
@@ -20,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import weakref
 
 import torch
@@ -30,7 +42,7 @@ from ..pipeline import collectives, streams
 from ..update.algorithms import Algorithm
 from . import backends
 from .clocks import Clocks, Hazard
-from .device import ModeledStreams, ModeledWork
+from .device import ModeledEvent, ModeledStreams, ModeledWork, finished_serving
 from .trace import DispatchCalls, function_patches
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +55,9 @@ class StreamChecker:
     """Attributes:
         clocks: the model (streams, clocks, memory, hazards).
         compute, host: the compute stream's and the host's stream index.
-        current: the stream operations are queued on now.
+        current: the stream operations are queued on now, by the calling thread (None in another thread
+            than the one that entered the checker, outside a modeled ``use(stream)``: not recorded).
+        served: what this rank's checkpoint server had read when its last copy finished (ModeledWork).
         syncs: ``(what, where, phase, ours)`` of every host synchronization seen; ``ours``: fused_zero's
             code is on the stack (else it is the caller's, or DDP's own, C++ reducer included).
         phase: a label the caller sets (``checker.phase = "step 3"``), recorded with each sync.
@@ -56,15 +70,31 @@ class StreamChecker:
         self.clocks = Clocks()
         self.compute = self.clocks.stream("compute stream")
         self.host = self.clocks.stream("host", frees_checked=False)
-        self.current = self.compute
+        self._thread = threading.get_ident()
+        self._local = threading.local()
+        self.served: dict[int, int] = {}
+        self.lock = threading.RLock()  # the model is shared by the training and server threads
         self.comm: dict[int, int] = {}
         self._refs: dict = {}  # storage key -> weak reference to the storage registered there
         self.callbacks: int | None = None  # the stream future callbacks run on (device._ModeledFuture)
         self.syncs: list[tuple[str, str, str, bool]] = []
         self.phase = ""
-        self._paused = 0
         self._patches: list[tuple[object, str, object]] = []
         self._modes = (DispatchCalls(self),)
+
+    @property
+    def current(self) -> int | None:
+        return getattr(self._local, "sid", self.compute if self.in_training_thread() else None)
+
+    @current.setter
+    def current(self, sid: int | None) -> None:
+        self._local.sid = sid
+
+    def in_training_thread(self) -> bool:
+        return threading.get_ident() == self._thread
+
+    def pending_event(self, why: str) -> ModeledEvent:  # one that cannot complete before ``why`` is answered
+        return ModeledEvent(self, pending=why)
 
     # ------------------------------------------------------------------ results
 
@@ -126,14 +156,17 @@ class StreamChecker:
     @contextlib.contextmanager
     def paused(self):
         """Operations here are the stand-ins' own: not recorded."""
-        self._paused += 1
+        self._local.paused = self.paused_depth() + 1
         try:
             yield
         finally:
-            self._paused -= 1
+            self._local.paused -= 1
+
+    def paused_depth(self) -> int:
+        return getattr(self._local, "paused", 0)  # per thread: the server's pauses are not the training's
 
     def is_paused(self) -> bool:
-        return self._paused > 0
+        return self.paused_depth() > 0
 
     # ------------------------------------------------------------------ memory
 
@@ -143,25 +176,27 @@ class StreamChecker:
         the host tensor a host-computed one derives from (named in reports: where the data was made)."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key == 0 or self._known(t) is not None:
-            return
-        if key in self.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
-            self._freed(key)
-        sid = self.host if host else self.current
-        label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
-        label = f"{label} (made at {self.where()}{f', from {origin}' if origin else ''})"
-        self.clocks.storage(key, label, sid, host, pinned).origin = origin
-        ref = self._refs[key] = weakref.ref(storage)
+        with self.lock:
+            if key == 0 or self._known(t) is not None:
+                return
+            if key in self.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
+                self._freed(key)
+            sid = self.host if host or self.current is None else self.current
+            label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
+            label = f"{label} (made at {self.where()}{f', from {origin}' if origin else ''})"
+            self.clocks.storage(key, label, sid, host, pinned).origin = origin
+            ref = self._refs[key] = weakref.ref(storage)
         weakref.finalize(storage, self._freed, key, ref)
 
     def _known(self, t: torch.Tensor):
         """``t``'s storage as registered, or None: unknown, or a dead storage's entry at the same address."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        ref = self._refs.get(key)
-        if ref is None or ref() is not storage:
-            return None
-        return self.clocks.storages.get(key)
+        with self.lock:
+            ref = self._refs.get(key)
+            if ref is None or ref() is not storage:
+                return None
+            return self.clocks.storages.get(key)
 
     def origin(self, t: torch.Tensor) -> str:
         """The host tensor ``t``'s values were first made in (itself, if not computed from another)."""
@@ -171,11 +206,12 @@ class StreamChecker:
         return st.origin or st.name
 
     def _freed(self, key, ref=None) -> None:
-        if ref is not None and self._refs.get(key) is not ref:
-            return  # its address was registered again already
-        self._refs.pop(key, None)
-        if key in self.clocks.storages:
-            self.clocks.freed(key, self.where())
+        with self.lock:
+            if ref is not None and self._refs.get(key) is not ref:
+                return  # its address was registered again already
+            self._refs.pop(key, None)
+            if key in self.clocks.storages:
+                self.clocks.freed(key, self.where())
 
     def is_host(self, t: torch.Tensor) -> bool:
         st = self._known(t)
@@ -196,8 +232,12 @@ class StreamChecker:
         CUDA does from any host memory (a host wait from pageable memory, logged by the caller)."""
         spans = [(t, False) for t in reads] + [(t, True) for t in writes]
         spans = [(t, w) for t, w in spans if t.numel()]
-        if not spans:
+        if not spans or (sid is None and self.current is None):  # another thread's host work: not modeled
             return
+        with self.lock:
+            self._record(op, spans, sid)
+
+    def _record(self, op: str, spans: list, sid: int | None) -> None:
         for t, _ in spans:
             self.register(t)
         if sid is None:
@@ -209,6 +249,8 @@ class StreamChecker:
                 sid = self.host
             else:
                 sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
+        if sid == self.host and not self.in_training_thread():  # the server's host work: before its next
+            sid = self.current
         where = self.where()
         if sid != self.host and not transfer:
             for t, _ in spans:
@@ -220,9 +262,14 @@ class StreamChecker:
             self.clocks.host_sync(self.clocks.snapshot(self.host))
 
     def host_read(self, t: torch.Tensor, what: str, record: bool = True) -> None:
-        """The host reads a device value: a copy on the current stream, then a host wait for it."""
+        """The host reads a device value: a copy on the current stream, then a host wait for it (in the
+        server's thread, off the step path: neither logged nor ordering the training thread's streams)."""
         if record:
             self.record(what, reads=[t])
+        if not self.in_training_thread():
+            if self.current is not None:
+                finished_serving(self, self.current)
+            return
         self.log_sync(what)
         self.clocks.host_sync(self.clocks.snapshot(self.current))
 

@@ -50,7 +50,7 @@ HOST_READ = "host memory read on a device stream"
 
 @dataclass(frozen=True)
 class Hazard:
-    kind: str  # "read after write", "write after write", "write after read", "freed while in use", HOST_READ
+    kind: str  # "read after write", "write after write", "write after read", "freed while in use", HOST_READ, "deadlock"
     storage: str
     first: Access
     second: Access | None  # None for a free
@@ -63,6 +63,8 @@ class Hazard:
             return (f"{self.kind}: {a} ran {self.first.op} at {self.first.where}, using {self.storage} "
                     f"[{self.first.lo}:{self.first.hi}) bytes, neither pinned nor 0-dim: CUDA refuses a tensor "
                     f"on another device (an index too), or copies it with a host wait")
+        if self.kind == "deadlock":
+            return f"deadlock: a wait at {self.freed_at} for an event that cannot complete: {self.storage}"
         head = f"{self.kind} on {self.storage} [{self.first.lo}:{self.first.hi}) bytes"
         if self.second is None:
             return (f"{head}: {a} used it in {self.first.op} at {self.first.where}; it was freed into {b}'s "
@@ -84,10 +86,11 @@ class Clocks:
         self.names: list[str] = []
         self.vc: list[dict[int, int]] = []
         self.no_free_rule: set[int] = set()
+        self.private: set[int] = set()  # streams of another host thread: the training host's syncs skip them
         self.storages: dict[object, Storage] = {}
         self.hazards: list[Hazard] = []
 
-    def stream(self, name: str, *, frees_checked: bool = True) -> int:
+    def stream(self, name: str, *, frees_checked: bool = True, private: bool = False) -> int:
         """A new stream. ``frees_checked=False``: its uses never make a free unsafe (the host, whose
         accesses are synchronous). Communication streams are checked: since torch 2.8 a process group
         no longer ``record_stream``s the tensors handed to its collectives."""
@@ -96,6 +99,8 @@ class Clocks:
         sid = len(self.names) - 1
         if not frees_checked:
             self.no_free_rule.add(sid)
+        if private:
+            self.private.add(sid)
         return sid
 
     def tick(self, sid: int) -> int:
@@ -108,15 +113,20 @@ class Clocks:
 
     def merge(self, sid: int, snapshot: dict[int, int]) -> None:
         """``sid`` is ordered after everything ``snapshot`` covers (a wait)."""
-        mine = self.vc[sid]
+        self.merge_into(self.vc[sid], snapshot)
+
+    @staticmethod
+    def merge_into(mine: dict[int, int], snapshot: dict[int, int]) -> None:
         for k, v in snapshot.items():
             if mine.get(k, 0) < v:
                 mine[k] = v
 
     def host_sync(self, snapshot: dict[int, int]) -> None:
-        """The host waited for ``snapshot``: everything queued from now on, on any stream, follows it."""
+        """The host waited for ``snapshot``: everything it queues from now on, on any stream, follows it
+        (not what another host thread queues on its own streams, ``private``)."""
         for sid in range(len(self.vc)):
-            self.merge(sid, snapshot)
+            if sid not in self.private:
+                self.merge(sid, snapshot)
 
     def ordered(self, access: Access, sid: int) -> bool:
         return access.stream == sid or self.vc[sid].get(access.stream, 0) >= access.clock

@@ -15,6 +15,9 @@ import contextlib
 
 import torch
 
+from .clocks import Access, Hazard
+from .trace import DispatchCalls
+
 
 class ModeledStream:
     def __init__(self, checker, sid: int):
@@ -25,6 +28,8 @@ class ModeledStream:
         clocks.merge(self.sid, clocks.snapshot(other.sid))
 
     def wait_event(self, event: ModeledEvent) -> None:
+        if event.pending:
+            _deadlock(self.checker, f"{self!r} waits for {event.pending}")
         if event.vc is not None:
             self.checker.clocks.merge(self.sid, event.vc)
 
@@ -38,9 +43,10 @@ class ModeledStream:
 
 
 class ModeledEvent:
-    def __init__(self, checker):
+    def __init__(self, checker, pending: str = ""):
         self.checker = checker
-        self.vc: dict[int, int] | None = None
+        self.vc: dict[int, int] | None = {} if pending else None
+        self.pending = pending  # why it cannot complete yet (StreamChecker.pending_event), or ""
 
     def record(self, stream: ModeledStream | None = None) -> None:
         sid = stream.sid if stream is not None else self.checker.current
@@ -52,9 +58,24 @@ class ModeledEvent:
         return True
 
     def synchronize(self) -> None:
+        if self.pending:
+            _deadlock(self.checker, f"the host waits for {self.pending}")
         self.checker.log_sync("event.synchronize()")
         if self.vc is not None:
             self.checker.clocks.host_sync(self.vc)
+
+
+def finished_serving(checker, sid: int) -> None:
+    """The server's thread saw its copies on ``sid`` done (a blocking copy): see ``checker.served``."""
+    with checker.lock:
+        checker.clocks.merge_into(checker.served, checker.clocks.snapshot(sid))
+
+
+def _deadlock(checker, why: str) -> None:
+    where = checker.where()
+    with checker.lock:
+        checker.clocks.hazards.append(Hazard("deadlock", why, Access(-1, 0, 0, 0, False, "wait", where), None,
+                                             ("", ""), where))
 
 
 class ModeledStreams:
@@ -68,15 +89,23 @@ class ModeledStreams:
     def side_stream(self) -> ModeledStream:
         return ModeledStream(self.checker, self.checker.clocks.stream("side stream"))
 
+    def copy_stream(self) -> ModeledStream:
+        """The checkpoint server's stream: queued on by its thread only (``private``)."""
+        return ModeledStream(self.checker, self.checker.clocks.stream("checkpoint server stream", private=True))
+
     def current(self) -> ModeledStream:
         return ModeledStream(self.checker, self.checker.current)
 
     @contextlib.contextmanager
     def use(self, stream: ModeledStream):
+        """In another thread than the training one (the checkpoint server's), its tensor operations are
+        seen here too: a dispatch mode of that thread for the duration."""
         checker = self.checker
         before, checker.current = checker.current, stream.sid
+        mode = contextlib.nullcontext() if checker.in_training_thread() else DispatchCalls(checker)
         try:
-            yield
+            with mode:
+                yield
         finally:
             checker.current = before
 
@@ -102,6 +131,19 @@ class ModeledStreams:
         checker.record("copy host->device (non_blocking)", reads=[host], writes=[out])
         return out
 
+    def to_host_blocking(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy on the current stream that the calling thread waits for (the server's reads)."""
+        checker = self.checker
+        with checker.paused():
+            out = t.clone()
+        checker.register(out, host=True, name=f"host copy {tuple(out.shape)}")
+        checker.record("copy device->host (blocking)", reads=[t], writes=[out], sid=checker.current)
+        if checker.in_training_thread():
+            checker.host_read(t, "blocking copy to the host", record=False)
+        else:
+            finished_serving(checker, checker.current)
+        return out
+
     def to_host(self, t: torch.Tensor, out: torch.Tensor) -> None:
         checker = self.checker
         with checker.paused():
@@ -116,10 +158,13 @@ class ModeledWork:
         self.checker, self.work, self.vc, self.outputs = checker, work, vc, outputs
 
     def wait(self, timeout=None) -> bool:
+        checker = self.checker
         if self.work is not None:
-            with self.checker.paused():  # gloo's own copies when it finishes (its output) are not ours
+            with checker.paused():  # gloo's own copies when it finishes (its output) are not ours
                 self.work.wait()
-        self.checker.clocks.merge(self.checker.current, self.vc)
+        with checker.lock:  # every rank joined it: the requesters this rank served had been served
+            checker.clocks.merge(checker.current, self.vc)
+            checker.clocks.merge(checker.current, checker.served)
         return True
 
     def get_future(self) -> _ModeledFuture:

@@ -132,7 +132,9 @@ def _listener_idle(inbox, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         posted = inbox.store.inner.add(f"{inbox.rank}/n", 0)  # uncounted: not the protocol's request
-        if inbox._next - 1 == posted and inbox.listening.in_flight == ["wait"]:
+        # in its next wait, or in one it started before the handles were counted and never left
+        waiting = inbox.listening.in_flight == ["wait"] or inbox.listening.requests == 0
+        if inbox._next - 1 == posted and waiting:
             return
         time.sleep(0.01)
     raise AssertionError("the checkpoint listener did not go idle within 30 s")
@@ -237,13 +239,16 @@ def misuses(rank, world):
 
     # a rank that has not published the step rank 0 asks for (its count held back by one, as if its
     # training thread were still finishing the step): rank 0 is refused once the deadline has passed
+    versions = opt._peers.versions
     if rank == 1:
-        opt._peers.version -= 1
+        versions.newest -= 1
+        held_back = versions.kept.pop()
     if rank == 0:
         out["not_there"] = _error_of(opt.state_dict)
     dist.barrier()
     if rank == 1:
-        opt._peers.version += 1
+        versions.newest += 1
+        versions.kept.append(held_back)
 
     # none of it broke anything: training and rank 0's checkpoints go on
     _train_both(case, built, rank, 3)
@@ -319,3 +324,55 @@ def three_ranks(rank, world):
 
 def test_three_ranks_bystanders_and_every_rank_at_once():
     assert run_ranks(three_ranks, 3) == ["ok"] * 3
+
+
+def requester_destinations(rank, world, shards):
+    """For each shard group size: rank 0 alone checkpoints after step 2 while the others wait in a
+    barrier. Rank 0's mailbox posts are recorded (destination, kind), and every rank counts its store
+    requests over the checkpoint (the protocol's handles, listener included, each rank idle before and
+    after)."""
+    out = []
+    for shard in shards:
+        case = Case(opt="AdamW", bucket_cap_mb=0.0001, shard=shard)
+        built = build(case, rank)
+        opt, ref_opt = built[2], built[5]
+        for it in (1, 2):
+            _train_both(case, built, rank, it)
+        inbox = server_for(built[1].process_group).inbox
+        inbox.store, inbox.listening = _Counted(inbox.store), _Counted(inbox.listening)
+        posted = []
+        if rank == 0:
+            post = inbox.post
+            inbox.post = lambda r, message, post=post, posted=posted: (posted.append((r, message["kind"])),
+                                                                      post(r, message))[1]
+        dist.barrier()
+        before = inbox.store.requests + inbox.listening.requests
+        if rank == 0:
+            _assert_matches_torch(opt.state_dict(), ref_opt)
+        dist.barrier()
+        _listener_idle(inbox)
+        out.append({"shard": shard, "posted": posted, "store_requests": inbox.store.requests +
+                    inbox.listening.requests - before, "group": list(opt._engine.topology.shards[0])})
+        dist.barrier()  # nobody's listener is counted any more before the next case's
+        inbox.store, inbox.listening = inbox.store.inner, inbox.listening.inner
+        vars(inbox).pop("post", None)
+        opt._engine.close()
+    return out
+
+
+def test_rank0_asks_its_shard_group_peers_only_at_the_scale_models_store_cost():
+    """At 4 ranks in shard groups of 2 (2x2) and flat (4x1): rank 0 announces itself to, and asks for
+    slices, exactly the other ranks of its shard group, each once; the checkpoint costs the store
+    15 requests per rank asked, all ranks together (bench/scale_model.py's STORE_PER_PEER)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from scale_model import STORE_PER_PEER
+
+    outs = run_ranks(requester_destinations, 4, [2, None])
+    for k, (shard, peers) in enumerate(((2, [1]), (None, [1, 2, 3]))):
+        mine = outs[0][k]
+        assert mine["shard"] == shard and mine["group"] == [0] + peers, mine
+        assert sorted(mine["posted"]) == sorted((r, kind) for r in peers for kind in ("announce", "serve")), mine
+        total = sum(out[k]["store_requests"] for out in outs)
+        assert total == STORE_PER_PEER * len(peers), (shard, [out[k]["store_requests"] for out in outs])

@@ -479,6 +479,68 @@ def case_nccl_multi_gpu():
     run_ranks(_nccl, 2, backend="nccl", timeout=400)  # two: bf16 sums in DDP's order (see scenarios.py)
 
 
+SLEEP_CYCLES = 200_000_000
+"""GPU cycles the side stream sleeps before each iteration's updates (about 0.1 s): long after step()
+has returned on the host, the updates are still queued."""
+
+
+def _rank0_checkpoint(rank, world):
+    """nanoGPT's rank-0-only ``state_dict()`` right after ``step()``, with every rank's updates still
+    queued behind a ``torch.cuda._sleep`` on its side stream: the dict must be torch.optim's at that
+    step, so each server's copy must wait for its published event (issue 28's defect 6 reads the region
+    before the updates ran, whatever the timing). Rank 1 goes straight on into its next iteration."""
+    from scenarios import VOCAB, OddNet, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    dev = torch.device("cuda", 0)
+    reason = _gloo_cuda_probe(world)
+    if reason:
+        return reason
+    for overlap in ("bucket", "backward", "step"):
+        torch.manual_seed(1234)
+        model, ref = OddNet(), OddNet()
+        ref.load_state_dict(model.state_dict())
+        for m in (model, ref):
+            m.never.requires_grad_(False)
+            m.to(dev)
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=0.0001), DDP(ref, bucket_cap_mb=0.0001)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        for step in range(1, 5):
+            x, y = (t.to(dev) for t in batch(step, 0, rank))
+            F.cross_entropy(ref_ddp(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            with torch.cuda.stream(opt._engine.side.stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # every update of this iteration queues behind it
+            F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+            if rank != 0:
+                continue
+            ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+            assert sorted(ours) == sorted(theirs), (overlap, step, sorted(ours), sorted(theirs))
+            for k, entry in theirs.items():
+                for name, value in entry.items():
+                    a, b = ours[k][name].float().cpu(), value.float().cpu()
+                    measure("rank0 state_dict", f"{overlap} step {step} param {k} {name}", a, b)
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m, w=(overlap, step, k, name): f"{w}: {m}")
+        torch.distributed.barrier()
+        opt._engine.close()
+    return "ok"
+
+
+def case_rank0_state_dict():
+    from fused_zero.demo.spawn import run_ranks
+
+    outs = run_ranks(_rank0_checkpoint, 2, backend="gloo", timeout=300)
+    if any(o.startswith("skip") for o in outs):
+        raise Skip(outs[0])
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -56,6 +56,10 @@ def test_two_gloo_ranks_on_one_gpu():
     run_case("two_ranks_one_gpu")
 
 
+def test_rank0_state_dict_right_after_step():
+    run_case("rank0_state_dict")
+
+
 def test_nccl_on_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL needs one GPU per rank; this machine has {torch.cuda.device_count()}")

@@ -17,6 +17,10 @@ another stream's use of it is not ordered before that stream.
   both reductions (``sharded_configs``): zero hazards too. Removing the side stream's wait for the
   reduce-scatter before the all-reduce across replicas is named, and so is a bf16 staging copy freed
   before ``step()`` joins the side stream.
+- The checkpoint server: rank 0 alone calls ``state_dict()`` after step 3 in every run (its peer's
+  server thread and stream are modeled); with the other host run ahead (``RunAhead``) zero hazards in
+  every overlap mode; serving only the newest version (issue 23's defect 1) and a server read that does
+  not wait for the published event (issue 28's defect 6) are named.
 - Each ordering fix of the CUDA path, reverted, is named by the checker (the defect and its line):
   the skip counter and the GradScaler's found-inf flag written on the compute stream before it joins
   the side stream, and the found-inf flag zero-filled on the compute stream after the first reduction
@@ -30,9 +34,11 @@ another stream's use of it is not ordered before that stream.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import traceback
+import types
 
 import pytest
 import torch
@@ -43,6 +49,7 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.checkpoint import serving
 from fused_zero.pipeline import collectives
 from fused_zero.pipeline import engine as engine_module
 from fused_zero.pipeline import hooks as hooks_module
@@ -88,8 +95,11 @@ PG_BACKENDS = ("nccl", "cpu:gloo,cuda:nccl", None)
 """The ``init_process_group`` backend strings the checker models (``StreamChecker(backend=...)``)."""
 
 
-def train(rank, cfg, checker, steps=STEPS):
-    """Build and train under ``checker``; returns what the checker saw and the skipped-step count."""
+def train(rank, cfg, checker, steps=STEPS, after_step=None):
+    """Build and train under ``checker``; returns what the checker saw and the skipped-step count. After
+    step 3 rank 0 alone calls ``state_dict()`` (nanoGPT's pattern) while the other rank goes on into step
+    4: its checkpoint server's thread and stream serve it. ``after_step(opt, step)``: called on every
+    rank after each step."""
     torch.manual_seed(0)
     model = OddNet().to(DEVICE)
     if not cfg["find_unused"]:
@@ -123,7 +133,15 @@ def train(rank, cfg, checker, steps=STEPS):
                 scaler.update()
             else:
                 opt.step()
+            if after_step is not None:
+                after_step(opt, step)
             opt.zero_grad()
+            if step == 3 and rank == 0:
+                checker.phase = "rank-0 checkpoint"
+                try:
+                    opt.state_dict()
+                except serving.CheckpointSyncError as e:  # noted; training goes on, with the other rank
+                    REFUSALS.append(str(e))
             if step == 2:  # a checkpoint between steps, both forms, after DDP's bucket rebuild
                 checker.phase = "checkpoint"
                 opt.load_state_dict(opt.state_dict())
@@ -134,6 +152,8 @@ def train(rank, cfg, checker, steps=STEPS):
         opt._engine.close()
 
 
+REFUSALS: list[str] = []
+"""What rank 0's checkpoint in ``train`` was refused with, if it was (none as built)."""
 STEADY = ("step 4", "step 5")
 ALLOWED_SYNCS = ("event.synchronize()",)
 
@@ -141,7 +161,7 @@ ALLOWED_SYNCS = ("event.synchronize()",)
 def check_config(rank, cfg) -> str | None:
     with StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
         skipped = train(rank, cfg, checker)
-    problems = [str(h) for h in checker.hazards()]
+    problems = [str(h) for h in checker.hazards()] + [REFUSALS.pop() for _ in list(REFUSALS)]
     syncs = [s for s in checker.syncs if s[2] in STEADY and s[3]]  # fused_zero's (DDP has its own)
     bad = [s for s in syncs if s[0] not in ALLOWED_SYNCS]
     if bad or len(syncs) > len(STEADY):
@@ -375,6 +395,154 @@ def check_across_reverted(rank, world):
         return checker.report()
     finally:
         Reduction._across_replicas = saved
+
+
+# ---------------------------------------------------------------------- the checkpoint server, host run-ahead
+
+
+class RunAhead:
+    """The host run-ahead of NCCL played under the checker (checkpoint/versions.py): on every rank but 0,
+    once step 3 (the one rank 0 checkpoints after) has published, the host publishes once more, as its
+    step 4 would on NCCL while its device still holds step 3: with step 4's event, which cannot complete
+    before rank 0 is served (it follows updates that wait for a reduction rank 0 has not joined). Either
+    right after the step (``where="step"``), or once its server has checked rank 0's request
+    (``where="check"``, the publish landing between the check and the reads). Undone at the next real
+    publish."""
+
+    def __init__(self, checker, rank: int, where: str):
+        self.checker, self.rank, self.where = checker, rank, where
+        self.opt = self.undo = None
+
+    def after_step(self, opt, step: int) -> None:
+        if self.rank != 0 and step == 3:
+            self.opt = opt
+            if self.where == "step":
+                self.publish_ahead()
+
+    def publish_ahead(self) -> None:
+        peers, api = self.opt._peers, self.opt._engine.side.api
+        versions = peers.versions
+        pending = self.checker.pending_event(f"rank {self.rank}'s step-4 event (its updates wait for a "
+                                             "reduction the requester, rank 0, has not joined)")
+        api.current = lambda: types.SimpleNamespace(record_event=lambda: pending)
+        try:
+            peers.published()
+        finally:
+            del api.current
+
+        def undo():
+            versions.newest -= 1
+            versions.kept.pop()
+        self.undo, self.opt = undo, None
+
+    @contextlib.contextmanager
+    def installed(self):
+        real_published, real_ready = serving.CheckpointPeers.published, serving.CheckpointPeers.ready_for
+        ahead = self
+
+        def published(peers):
+            if ahead.undo is not None:
+                ahead.undo()
+                ahead.undo = None
+            real_published(peers)
+
+        def ready_for(peers, version, fingerprint):
+            out = real_ready(peers, version, fingerprint)
+            if ahead.where == "check" and ahead.opt is not None and peers is ahead.opt._peers:
+                ahead.publish_ahead()
+            return out
+
+        serving.CheckpointPeers.published, serving.CheckpointPeers.ready_for = published, ready_for
+        try:
+            yield self
+        finally:
+            serving.CheckpointPeers.published, serving.CheckpointPeers.ready_for = real_published, real_ready
+
+
+def _ready_for_the_newest(real):
+    def ready_for_the_newest(self, version, fingerprint):
+        """Defect 1 as it was: only the newest version is served (its events, its shards)."""
+        why, record = real(self, version, fingerprint)
+        newest = self.versions.newest
+        if not why and newest != version:
+            why = (f"rank {self.engine.rank} is at version {newest} (completed steps and loads), the "
+                   f"requester at {version}: " + serving.USAGE)
+        return why, record
+    return ready_for_the_newest
+
+
+def _send_the_newest(real):
+    def send_the_newest(self, ch, dst, k, record):
+        return real(self, ch, dst, k, self.versions.kept[-1])
+    return send_the_newest
+
+
+def _host_without_waiting(self, shard, name, events):
+    """Issue 28's defect 6: the server reads the region without waiting for the published events."""
+    return _real_host(self, shard, name, ())
+
+
+_real_host = serving.CheckpointPeers._host
+
+
+def check_run_ahead(rank, world):
+    """Each of SERVING_RUNS: the checker's report on this rank with the host run-ahead played
+    (``where``: None for none) and the patches applied; a traceback where the run raised."""
+    out = {}
+    for name, (patches, cfg, where) in SERVING_RUNS.items():
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+        for owner, attr, value in patches:
+            setattr(owner, attr, value)
+        try:
+            with StreamChecker() as checker:
+                ahead = RunAhead(checker, rank, where or "none")
+                with ahead.installed():
+                    train(rank, cfg, checker, steps=4, after_step=ahead.after_step)
+            out[name] = "\n".join([checker.report()] + [REFUSALS.pop() for _ in list(REFUSALS)])
+        except Exception:
+            out[name] = traceback.format_exc()
+        finally:
+            for owner, attr, value in saved:
+                setattr(owner, attr, value)
+    return out
+
+
+NEWEST_ONLY = [(serving.CheckpointPeers, "ready_for", _ready_for_the_newest(serving.CheckpointPeers.ready_for)),
+               (serving.CheckpointPeers, "send_slices", _send_the_newest(serving.CheckpointPeers.send_slices))]
+RUN_AHEAD = {f"ahead after the {where}, {overlap}": ([], {**BASE, "overlap": overlap}, where)
+             for where in ("step", "check") for overlap in ("bucket", "backward", "step")}
+SERVING_RUNS = {
+    **RUN_AHEAD,
+    "defect 1, run-ahead after the step": (NEWEST_ONLY, BASE, "step"),
+    "defect 1, run-ahead after the check": (NEWEST_ONLY, BASE, "check"),
+    "defect 6: no wait for the published event": ([(serving.CheckpointPeers, "_host", _host_without_waiting)],
+                                                  BASE, None),
+}
+
+
+@pytest.fixture(scope="module")
+def serving_runs():
+    return run_ranks(check_run_ahead, 2)
+
+
+def test_no_hazard_while_the_other_host_runs_ahead(serving_runs):
+    for rank, reports in enumerate(serving_runs):
+        for name in RUN_AHEAD:
+            assert reports[name] == "no stream-order hazard", f"rank {rank}, {name}: {reports[name]}"
+
+
+def test_serving_only_the_newest_version_is_named_with_the_host_ahead(serving_runs):
+    """Defect 1 reverted: refused (the publish landed before the check) or a wait for the event of a
+    step that waits for the requester (after it), which the checker names."""
+    refused = serving_runs[0]["defect 1, run-ahead after the step"]
+    assert "rank 1 is at version 6 (completed steps and loads), the requester at 5" in refused, refused
+    waited = serving_runs[1]["defect 1, run-ahead after the check"]
+    assert "deadlock" in waited and "checkpoint server stream" in waited and "step-4 event" in waited, waited
+
+
+def test_server_reading_before_the_published_event_is_named(serving_runs):
+    for report in (runs["defect 6: no wait for the published event"] for runs in serving_runs):
+        assert "checkpoint server stream ran copy device->host" in report and "update kernel" in report, report
 
 
 def test_cross_replica_all_reduce_without_its_wait_is_named():
