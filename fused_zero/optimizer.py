@@ -7,12 +7,13 @@ options shared by all:
                     and call ``opt.attach(ddp)`` once the DDP exists (build first, attach later)
     grad_reduce     "reduce_scatter" (default; each rank receives only its slice, ZeRO-2 traffic)
                     or "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient)
-    overlap         "bucket" (default; update each bucket as its reduction completes),
-                    "backward" (update every bucket when the last reduction completes) or
-                    "step" (reductions overlap the backward, updates run in ``step()``)
+    overlap         "auto" (default: "backward" with max_grad_norm or grad_scaler, else "bucket"),
+                    "bucket" (update each bucket as its reduction completes), "backward" (update
+                    every bucket when the last reduction completes) or "step" (reductions overlap
+                    the backward, updates run in ``step()``)
     master_weights  keep fp32 master weights for bf16/fp16 parameters (default: on for them)
-    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (overlap="step" or "backward")
-    grad_scaler     the torch.amp.GradScaler the loop steps through (overlap="step" or "backward")
+    max_grad_norm   global gradient-norm clipping, as clip_grad_norm_ (not with overlap="bucket")
+    grad_scaler     the torch.amp.GradScaler the loop steps through (not with overlap="bucket")
     on_nonfinite    "skip" (default: a step with an inf/NaN gradient on some rank is skipped on every
                     rank and counted in skipped_steps) or "raise" (skipped, then step() raises)
     param_sync      "step" (default: step() returns with every parameter updated; on CUDA a stream
@@ -134,7 +135,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                                "shards one DDP's buckets, once")
         _check_ddp(ddp)
         for name, value in options.items():
-            if name in self._options and self._options[name] != value:
+            if name in self._options and self._options[name] != value and self._options[name] != "auto":
                 raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
                                  "construction; give it once")
         merged = {**self._options, **options}

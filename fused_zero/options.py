@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-OVERLAPS = ("bucket", "backward", "step")
+OVERLAPS = ("auto", "bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,12 +29,16 @@ class ShardingOptions:
         grad_reduce: "reduce_scatter" (each rank receives only its slice: ZeRO-2 traffic) or
             "all_reduce" (ZeRO-1; ``param.grad`` then holds DDP's averaged gradient).
         overlap: when the updates run: "bucket" (each bucket as its reduction completes), "backward"
-            (every bucket once the last one is reduced) or "step" (in ``step()``).
+            (every bucket once the last one is reduced), "step" (in ``step()``), or "auto" (default):
+            "backward" where something needs every gradient before any update (``max_grad_norm``,
+            ``grad_scaler``: see ``resolve_overlap``), else "bucket". "bucket" cannot honor an edit of
+            ``param.grad`` after the backward (``clip_grad_norm_``): its updates ran in the backward, so
+            ``step()`` can only report one; clip with ``max_grad_norm`` instead.
         master_weights: fp32 master copies of bf16/fp16 parameters; None means on for them.
         max_grad_norm: global-norm clipping as ``clip_grad_norm_``; needs every gradient before any
-            update, so overlap="step" or "backward" (not "bucket").
+            update (``WHOLE_STEP``).
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled losses this optimizer steps on (see
-            pipeline/amp.py); overlap="step" or "backward".
+            pipeline/amp.py); needs every gradient before any update (``WHOLE_STEP``).
         on_nonfinite: what a step whose reduced gradients hold an inf or NaN does, without a scaler:
             "skip" it on every rank (default; counted in ``skipped_steps``) or "raise" in ``step()``,
             on every rank, after skipping it. With a scaler, overflow steps are skipped as torch does.
@@ -57,7 +61,7 @@ class ShardingOptions:
     """
 
     grad_reduce: str = "reduce_scatter"
-    overlap: str = "bucket"
+    overlap: str = "auto"
     master_weights: bool | None = None
     max_grad_norm: float | None = None
     param_sync: str = "step"
@@ -76,9 +80,9 @@ class ShardingOptions:
         _check_choice("param_sync", self.param_sync, PARAM_SYNCS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITES)
-        if self.grad_scaler is not None and self.overlap == "bucket":
-            raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
-                             "a bucket is updated before the later buckets' overflow check is known")
+        object.__setattr__(self, "overlap", resolve_overlap(self.overlap, self.max_grad_norm, self.grad_scaler))
+        if self.grad_scaler is not None:
+            check_whole_step("grad_scaler", "scaler", self.overlap)
         _check_choice("state_format", self.state_format, STATE_FORMATS)
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
@@ -94,10 +98,7 @@ class ShardingOptions:
             raise ValueError(f"shard_group={self.shard_group!r}: give the number of consecutive ranks per shard "
                              "group (a divisor of DDP's world size), a ProcessGroup or a DeviceMesh")
         if self.max_grad_norm is not None:
-            if self.overlap == "bucket":
-                raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "
-                                 "is known only once every bucket is reduced, after overlap='bucket' has "
-                                 "updated the first ones")
+            check_whole_step("max_grad_norm", "clip", self.overlap)
             if not self.max_grad_norm > 0:
                 raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
@@ -125,6 +126,33 @@ class ShardingOptions:
                 raise ValueError(f"stochastic_rounding rounds fp32 results to bf16 parameters, and this model has "
                                  f"{', '.join(others)} parameters: convert the model to bf16 (model.bfloat16()), "
                                  "or keep master weights for 16-bit parameters and drop stochastic_rounding")
+
+
+WHOLE_STEP = {
+    "clip": "the global gradient norm is known only once every bucket is reduced, and overlap='bucket' "
+            "updates each bucket before the next is reduced",
+    "scaler": "with overlap='bucket' a bucket is updated before the later buckets' overflow check is known",
+}
+"""What needs every bucket's reduced gradients before any update, and why: the one statement of the
+rule that these need an overlap mode other than "bucket" (the options, the GradScaler check at step,
+and the integrations' checks all raise through ``check_whole_step``)."""
+
+
+def resolve_overlap(overlap: str, max_grad_norm=None, grad_scaler=None) -> str:
+    """``overlap="auto"``: "backward" where clipping or a GradScaler needs every gradient before any
+    update (one launch after the last bucket, inside the backward), else "bucket" (the most
+    overlapped). An explicit mode is kept as given."""
+    if overlap != "auto":
+        return overlap
+    return "backward" if max_grad_norm is not None or grad_scaler is not None else "bucket"
+
+
+def check_whole_step(what: str, need: str, overlap: str, error: type = ValueError) -> None:
+    """Refuse ``what`` (something needing ``WHOLE_STEP[need]``) with overlap="bucket"."""
+    if overlap == "bucket":
+        raise error(f"{what} needs overlap='backward' or overlap='step' (got overlap='bucket'): "
+                    f"{WHOLE_STEP[need]}. Leave overlap out (the default, 'auto', picks a mode "
+                    "that takes it) or pass overlap='backward' or 'step'")
 
 
 def _dense(t: torch.Tensor) -> bool:
