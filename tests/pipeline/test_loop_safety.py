@@ -68,7 +68,7 @@ def synced_accumulation(rank, overlap, grad_reduce, as_view=True):
         _backward(ddp, step, 0, rank)
         opt.synchronize()
         before = _params(model)
-        verdict = refusal(lambda: _backward(ddp, step, 1, rank), RuntimeError,
+        verdict = refusal(lambda s=step: _backward(ddp, s, 1, rank), RuntimeError,
                           r"second synced backward before optimizer.step\(\).*ddp.no_sync\(\).*overlap='step' "
                           r"with grad_reduce='all_reduce'.*Nothing of this backward was reduced or applied")
         if not verdict.startswith("no RuntimeError"):
@@ -155,7 +155,7 @@ def loops(rank, world):
 def expected(name: str):
     """What each loop must give: torch.optim's parameters (max_diff 0.0, bit-identical on the CPU path)
     where the mode can follow it, else the refusal at the first step, with nothing of it applied."""
-    if name.startswith("accumulate-step-all_reduce") or name.startswith("late-") and "-step-" in name:
+    if name.startswith("accumulate-step-all_reduce") or (name.startswith("late-") and "-step-" in name):
         return {"max_diff": 0.0}
     if name.startswith("accumulate-"):
         return {"refused": "ok", "untouched": True, "step": 0}
