@@ -10,7 +10,7 @@ import fused_zero.accelerate
 accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 257), torch.nn.GELU(), torch.nn.Linear(257, 10))
-opt = fused_zero.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, overlap="step")   # no ddp= yet
+opt = fused_zero.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)   # no ddp= yet
 x = torch.randn(1024, 32)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :10].argmax(dim=1)), batch_size=32)
 model, opt, loader = accelerator.prepare(model, opt, loader)

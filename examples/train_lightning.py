@@ -21,6 +21,6 @@ class Net(pl.LightningModule):
 
 x = torch.randn(1024, 32, generator=torch.Generator().manual_seed(0))
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :10].argmax(dim=1)), batch_size=64)
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FusedZeroStrategy(overlap="step"), max_epochs=2,
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FusedZeroStrategy(), max_epochs=2,
                      gradient_clip_val=1.0, logger=False, enable_checkpointing=False)   # "gpu": NCCL
 trainer.fit(Net(), loader)

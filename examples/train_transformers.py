@@ -19,8 +19,7 @@ args = TrainingArguments(output_dir="out/trainer_out", max_steps=20, per_device_
                          gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, max_grad_norm=1.0,
                          logging_steps=5, save_steps=10, report_to=[], use_cpu=not torch.cuda.is_available())
 trainer = Trainer(model=model, args=args, train_dataset=train_dataset,
-                  optimizer_cls_and_kwargs=(fused_zero.AdamW, {"lr": 3e-3, "overlap": "step",
-                                                                "grad_reduce": "all_reduce"}))
+                  optimizer_cls_and_kwargs=(fused_zero.AdamW, {"lr": 3e-3}))  # max_grad_norm: overlap "backward"
 fused_zero.transformers.attach(trainer)  # the one line: attaches when the Trainer builds its DDP module
 last = os.path.join("out", "trainer_out", "checkpoint-20")
 trainer.train(resume_from_checkpoint="out/trainer_out/checkpoint-10" if os.path.isdir(last) else None)

@@ -20,14 +20,18 @@ Clipping, which Accelerate does to ``param.grad`` between the backward and ``ste
   a second clip in one step, ``clip_grad_value_``, clipping with ``overlap="bucket"``, and in
   ``overlap="backward"`` a ``max_norm`` other than the optimizer's ``max_grad_norm``, are refused.
 
+The default ``overlap="auto"`` resolves to "step" here (to "backward" where the optimizer has its own
+``max_grad_norm``), so that a clip after the backward is applied; ``overlap="bucket"`` stays one
+argument away for loops that do not clip.
+
 ``mixed_precision="fp16"``: Accelerate's GradScaler (the one its optimizer wrapper steps through) is
-handed to the optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or
-``"backward"``; ``overlap="bucket"`` is refused there. The wrapper then steps as it does for torch's
-fused optimizers (``scaler.step(optimizer)``, ``scaler.update()``), and its ``step_was_skipped`` (which
-Accelerate's scheduler wrapper reads so as not to advance on an overflow) reports the optimizer's own
-found-inf flag. Where clipping is routed, ``accelerator.unscale_gradients()`` (``scaler.unscale_`` of
-every optimizer, which Accelerate's own ``clip_grad_norm_`` also calls) leaves this optimizer out: its
-update unscales the reduced gradients itself; naming it explicitly is refused.
+handed to the optimizer at attachment (``grad_scaler=``), which ``overlap="bucket"`` refuses. The
+wrapper then steps as it does for torch's fused optimizers (``scaler.step(optimizer)``,
+``scaler.update()``), and its ``step_was_skipped`` (which Accelerate's scheduler wrapper reads so as not
+to advance on an overflow) reports the optimizer's own found-inf flag. Where clipping is routed,
+``accelerator.unscale_gradients()`` (``scaler.unscale_`` of every optimizer, which Accelerate's own
+``clip_grad_norm_`` also calls) leaves this optimizer out: its update unscales the reduced gradients
+itself; naming it explicitly is refused.
 
 Needs the ``accelerate`` extra: ``pip install "fused-zero[accelerate]"``.
 """
@@ -40,6 +44,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from .optimizer import _ShardedOptimizer
+from .options import check_whole_step
 
 
 def attach(accelerator, model, optimizer, **options) -> None:
@@ -60,6 +65,7 @@ def attach(accelerator, model, optimizer, **options) -> None:
                         "Accelerator(cpu=True))")
     if scaler is not None:
         options = {**options, "grad_scaler": scaler}
+    options = {**options, **_default_overlap({**opt._options, **options})}
     opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
     if not opt._reads_grad_at_step:  # else Accelerate's own clipping and unscaling edit what step() reads
         _route_clipping(accelerator, opt)
@@ -69,6 +75,16 @@ def attach(accelerator, model, optimizer, **options) -> None:
         _report_skipped_steps(optimizer, opt)
     _unshare_saved_weights(accelerator, model)
     _wait_after_saving(accelerator)
+
+
+def _default_overlap(merged: dict) -> dict:
+    """``overlap="auto"`` here: Accelerate's loops clip with ``accelerator.clip_grad_norm_`` between
+    the backward and ``step()``, at a value the optimizer learns only then, so the update runs in
+    ``step()`` ("step") unless the optimizer's own ``max_grad_norm`` is known now ("backward", whose
+    update clips to it inside the backward: the clip call must ask for that value)."""
+    if merged.get("overlap", "auto") != "auto":
+        return {}
+    return {"overlap": "backward" if merged.get("max_grad_norm") is not None else "step"}
 
 
 def _wait_after_saving(accelerator) -> None:
@@ -96,12 +112,8 @@ def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: di
                          + ": leave grad_scaler out, attach hands Accelerate's scaler over")
     if scaler is None:
         return
-    overlap = options.get("overlap", opt._options.get("overlap", "bucket"))
-    if overlap not in ("step", "backward"):
-        raise ValueError(f"mixed_precision='fp16' (a GradScaler) needs overlap='step' or overlap='backward' "
-                         f"(got overlap={overlap!r}): with overlap='bucket' a bucket is updated before the later "
-                         "buckets' overflow check is known. Build the optimizer with overlap='step' (or "
-                         "'backward'), or use mixed_precision='bf16', which needs no scaler")
+    check_whole_step("mixed_precision='fp16' (a GradScaler; mixed_precision='bf16' needs none)", "scaler",
+                     options.get("overlap", opt._options.get("overlap", "auto")))
 
 
 def _keep_unscaling_out(accelerator, opt: _ShardedOptimizer) -> None:
@@ -215,10 +227,7 @@ class ClipRoute:
 
     def __call__(self, max_norm, norm_type=2) -> torch.Tensor:
         e = self.engine
-        if e.overlap == "bucket":
-            raise RuntimeError("clip_grad_norm_ of a fused_zero optimizer's parameters needs overlap='step' or "
-                               "'backward' (got overlap='bucket'): the global gradient norm is known only once "
-                               "every bucket is reduced, and this mode updates each bucket before the next")
+        check_whole_step("clip_grad_norm_ of a fused_zero optimizer's parameters", "clip", e.overlap, RuntimeError)
         if float(norm_type) != 2.0:
             raise ValueError(f"fused_zero clips by the 2-norm; got norm_type={norm_type}")
         max_norm = float(max_norm)

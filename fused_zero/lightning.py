@@ -6,11 +6,12 @@ the optimizer to that DDP module (``opt.attach``). What Lightning does around th
 refused here, at setup:
 
 - ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` becomes the optimizer's
-  ``max_grad_norm`` (it needs ``overlap="step"`` or ``"backward"``: only there are all gradients
-  reduced before any update), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by value is refused.
+  ``max_grad_norm`` (the default ``overlap="auto"`` then resolves to "backward"; an explicit "bucket" is
+  refused, options.WHOLE_STEP), and Lightning's own clipping of ``param.grad`` is skipped. Clipping by
+  value is refused.
 - ``precision="16-mixed"``: Lightning's GradScaler (its ``MixedPrecision`` plugin's) is handed to the
-  optimizer at attachment (``grad_scaler=``), which needs ``overlap="step"`` or ``"backward"`` and is
-  refused at setup with ``overlap="bucket"``. The plugin then steps as it does for torch's fused
+  optimizer at attachment (``grad_scaler=``: "auto" resolves to "backward"; an explicit "bucket" is
+  refused at setup). The plugin then steps as it does for torch's fused
   optimizers: no ``scaler.unscale_`` (the optimizer sets ``_step_supports_amp_scaling``: the kernel
   unscales), ``scaler.step(optimizer)``, ``scaler.update()``; a clip maps to ``max_grad_norm``, which
   clips the unscaled gradients. ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit need no
@@ -31,6 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 
 from .optimizer import _ShardedOptimizer
+from .options import check_whole_step
 
 _SHARDING_OPTIONS = ("grad_reduce", "overlap", "master_weights", "param_sync", "backend")
 
@@ -97,11 +99,7 @@ class FusedZeroStrategy(DDPStrategy):
             raise ValueError(f"gradient_clip_algorithm={algorithm!r} is not supported with FusedZeroStrategy: "
                              "fused_zero sees the reduced gradients only inside its update; clip by norm "
                              "(gradient_clip_algorithm='norm'), which maps to the optimizer's max_grad_norm")
-        overlap = self._sharding.get("overlap", opt._options.get("overlap", "bucket"))
-        if overlap == "bucket":
-            raise ValueError(f"gradient_clip_val needs FusedZeroStrategy(overlap='step') or overlap='backward' "
-                             f"(got overlap={overlap!r}): the global gradient norm is known only once every "
-                             "bucket is reduced, and overlap='bucket' updates each bucket before the next is")
+        check_whole_step("gradient_clip_val", "clip", self._overlap(opt))
         self._max_grad_norm = float(value)
         return self._max_grad_norm
 
@@ -118,13 +116,13 @@ class FusedZeroStrategy(DDPStrategy):
                              + ": leave grad_scaler out, FusedZeroStrategy hands Lightning's scaler over")
         if scaler is None:
             return None
-        overlap = self._sharding.get("overlap", opt._options.get("overlap", "bucket"))
-        if overlap not in ("step", "backward"):
-            raise ValueError(f"precision='16-mixed' (a GradScaler) needs FusedZeroStrategy(overlap='step') or "
-                             f"overlap='backward' (got overlap={overlap!r}): with overlap='bucket' a bucket is "
-                             "updated before the later buckets' overflow check is known. Or train in "
-                             "precision='bf16-mixed', which needs no scaler")
+        check_whole_step("precision='16-mixed' (a GradScaler; 'bf16-mixed' needs none)", "scaler", self._overlap(opt))
         return scaler
+
+    def _overlap(self, opt: _ShardedOptimizer) -> str:
+        """The overlap mode given (to the strategy or the optimizer); "auto" resolves at attach from the
+        clip and the scaler mapped here."""
+        return self._sharding.get("overlap", opt._options.get("overlap", "auto"))
 
     def _wrap_clipping(self, opt: _ShardedOptimizer) -> None:
         """Lightning clips ``param.grad`` between the backward and ``step()``; the optimizer clips the

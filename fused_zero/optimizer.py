@@ -114,7 +114,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                                "shards one DDP's buckets, once")
         _check_ddp(ddp)
         for name, value in options.items():
-            if name in self._options and self._options[name] != value:
+            if name in self._options and self._options[name] != value and self._options[name] != "auto":
                 raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
                                  "construction; give it once")
         merged = {**self._options, **options}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-OVERLAPS = ("bucket", "backward", "step")
+OVERLAPS = ("auto", "bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,16 +32,18 @@ OPTIONS = (
     ("grad_reduce", '`"reduce_scatter"` (default), `"all_reduce"`',
      "ZeRO-2 traffic (each rank receives only its slice) or ZeRO-1 (`param.grad` then holds DDP's averaged "
      "gradient)"),
-    ("overlap", '`"bucket"` (default), `"backward"`, `"step"`',
+    ("overlap", '`"auto"` (default), `"bucket"`, `"backward"`, `"step"`',
      "when the updates run: each bucket as its reduction completes, every bucket once the last one is "
-     "reduced, or in `step()` ([docs/usage.md](docs/usage.md#overlap-modes))"),
+     "reduced, or in `step()`; `\"auto\"` is `\"backward\"` with `max_grad_norm` or `grad_scaler`, else "
+     "`\"bucket\"`. Only `\"step\"` applies a clip or `.grad` edit made after the backward "
+     "([docs/usage.md](docs/usage.md#overlap-modes))"),
     ("master_weights", "`None` (default: on for bf16/fp16), `True`, `False`",
      "fp32 master copy of low-precision parameters"),
     ("max_grad_norm", "float",
      "global-norm clipping as `clip_grad_norm_`, of the reduced gradients; needs every gradient before any "
-     'update: `overlap="step"` or `"backward"`'),
+     'update: not with `overlap="bucket"`'),
     ("grad_scaler", "a `torch.amp.GradScaler`",
-     'the scaler the loop steps through (fp16); `overlap="step"` or `"backward"`'),
+     'the scaler the loop steps through (fp16); not with `overlap="bucket"`'),
     ("on_nonfinite", '`"skip"` (default), `"raise"`',
      "a step whose reduced gradients hold an inf or NaN on some rank is skipped on every rank (counted in "
      '`skipped_steps`); `"raise"` then raises in `step()`. With a scaler, overflows are skipped as torch does'),
@@ -89,7 +91,7 @@ class ShardingOptions:
     __doc__ = _docstring()
 
     grad_reduce: str = "reduce_scatter"
-    overlap: str = "bucket"
+    overlap: str = "auto"
     master_weights: bool | None = None
     max_grad_norm: float | None = None
     param_sync: str = "step"
@@ -108,9 +110,9 @@ class ShardingOptions:
         _check_choice("param_sync", self.param_sync, PARAM_SYNCS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITES)
-        if self.grad_scaler is not None and self.overlap == "bucket":
-            raise ValueError("grad_scaler needs overlap='step' or overlap='backward': with overlap='bucket' "
-                             "a bucket is updated before the later buckets' overflow check is known")
+        object.__setattr__(self, "overlap", resolve_overlap(self.overlap, self.max_grad_norm, self.grad_scaler))
+        if self.grad_scaler is not None:
+            check_whole_step("grad_scaler", "scaler", self.overlap)
         _check_choice("state_format", self.state_format, STATE_FORMATS)
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
@@ -126,10 +128,7 @@ class ShardingOptions:
             raise ValueError(f"shard_group={self.shard_group!r}: give the number of consecutive ranks per shard "
                              "group (a divisor of DDP's world size), a ProcessGroup or a DeviceMesh")
         if self.max_grad_norm is not None:
-            if self.overlap == "bucket":
-                raise ValueError("max_grad_norm needs overlap='step' or overlap='backward': the global norm "
-                                 "is known only once every bucket is reduced, after overlap='bucket' has "
-                                 "updated the first ones")
+            check_whole_step("max_grad_norm", "clip", self.overlap)
             if not self.max_grad_norm > 0:
                 raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
@@ -157,6 +156,33 @@ class ShardingOptions:
                 raise ValueError(f"stochastic_rounding rounds fp32 results to bf16 parameters, and this model has "
                                  f"{', '.join(others)} parameters: convert the model to bf16 (model.bfloat16()), "
                                  "or keep master weights for 16-bit parameters and drop stochastic_rounding")
+
+
+WHOLE_STEP = {
+    "clip": "the global gradient norm is known only once every bucket is reduced, and overlap='bucket' "
+            "updates each bucket before the next is reduced",
+    "scaler": "with overlap='bucket' a bucket is updated before the later buckets' overflow check is known",
+}
+"""What needs every bucket's reduced gradients before any update, and why: the one statement of the
+rule that these need an overlap mode other than "bucket" (the options, the GradScaler check at step,
+and the integrations' checks all raise through ``check_whole_step``)."""
+
+
+def resolve_overlap(overlap: str, max_grad_norm=None, grad_scaler=None) -> str:
+    """``overlap="auto"``: "backward" where clipping or a GradScaler needs every gradient before any
+    update (one launch after the last bucket, inside the backward), else "bucket" (the most
+    overlapped). An explicit mode is kept as given."""
+    if overlap != "auto":
+        return overlap
+    return "backward" if max_grad_norm is not None or grad_scaler is not None else "bucket"
+
+
+def check_whole_step(what: str, need: str, overlap: str, error: type = ValueError) -> None:
+    """Refuse ``what`` (something needing ``WHOLE_STEP[need]``) with overlap="bucket"."""
+    if overlap == "bucket":
+        raise error(f"{what} needs overlap='backward' or overlap='step' (got overlap='bucket'): "
+                    f"{WHOLE_STEP[need]}. Leave overlap out (the default, 'auto', picks a mode "
+                    "that takes it) or pass overlap='backward' or 'step'")
 
 
 def _dense(t: torch.Tensor) -> bool:

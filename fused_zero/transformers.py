@@ -19,7 +19,8 @@ does with torch's AdamW:
   ``overlap="step"`` alone (ZeRO-2 traffic) the clip is routed into the update and the Trainer logs the
   true pre-clip norm of the reduced gradients (equal to rounding: summed in another order);
   ``overlap="backward"`` clips inside the backward to ``args.max_grad_norm`` (passed on here). The
-  default ``overlap="bucket"`` cannot clip and is refused here, before training.
+  default ``overlap="auto"`` resolves here, from the arguments: "backward" where they clip or scale
+  (the Trainer's defaults), else "bucket"; an explicit "bucket" with a clip is refused, before training.
 - ``save_steps`` / ``resume_from_checkpoint``: the Trainer saves ``optimizer.state_dict()`` from rank 0
   alone, while the other ranks go on (into the next step's token-count gather); the other ranks serve
   their shards from a thread (checkpoint/serving.py). The resumed run continues bit for bit.
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .accelerate import attach as attach_to_accelerator
 from .optimizer import _ShardedOptimizer
+from .options import check_whole_step, resolve_overlap
 
 
 def attach(trainer, **options) -> None:
@@ -108,21 +110,23 @@ def _settings(args, given: dict) -> dict:
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         raise ValueError("fused_zero shards DDP's buckets; DeepSpeed and FSDP shard the optimizer themselves: "
                          "use one of them")
-    overlap, own_norm = given.get("overlap", "bucket"), given.get("max_grad_norm")
+    overlap, own_norm = given.get("overlap", "auto"), given.get("max_grad_norm")
     clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-    if clip is not None and overlap == "bucket":
-        raise ValueError(f"TrainingArguments(max_grad_norm={clip}) clips every step, which needs overlap='step' "
-                         f"(or 'backward') (got overlap={overlap!r}): add it to the optimizer's options, e.g. "
-                         "{'overlap': 'step', 'grad_reduce': 'all_reduce'}; or set max_grad_norm=0")
-    if getattr(args, "fp16", False) and overlap == "bucket":
-        raise ValueError("TrainingArguments(fp16=True) steps through a GradScaler, which needs overlap='step' or "
-                         "'backward' (got overlap='bucket'), or train in bf16, which needs no scaler")
+    fp16 = bool(getattr(args, "fp16", False))
+    if clip is not None:
+        check_whole_step(f"TrainingArguments(max_grad_norm={clip}) (a clip every step; 0 turns it off)", "clip",
+                         overlap)
+    if fp16:
+        check_whole_step("TrainingArguments(fp16=True) (a GradScaler; bf16 needs none)", "scaler", overlap)
     if own_norm is not None and own_norm != clip:
         raise ValueError(f"the optimizer clips to max_grad_norm={own_norm} and TrainingArguments(max_grad_norm="
                          f"{args.max_grad_norm}) says otherwise: set it in TrainingArguments only")
+    settings = {}
+    if overlap == "auto":  # known here, from the arguments (Accelerate's attach would pick "step")
+        overlap = settings["overlap"] = resolve_overlap("auto", clip, True if fp16 else None)
     if overlap == "backward" and clip is not None:
-        return {"max_grad_norm": clip}  # the update runs in the backward: it must know the norm by then
-    return {}
+        settings["max_grad_norm"] = clip  # the update runs in the backward: it must know the norm by then
+    return settings
 
 
 def _attach_prepared(accelerator, trainer, prepared: AcceleratedOptimizer, items: tuple, options: dict,

@@ -44,6 +44,7 @@ class _Iteration:
 
     Attributes:
         hparams: param groups' hyperparameters, read at the iteration's first bucket.
+        hparams_key: what they were then, to tell a later change (StepPolicy.hparams_key).
         coefs: the per-parameter coefficient table of this iteration (every parameter active), on the
             update's device; built once, shared by every bucket's launch.
         invoked: buckets handed to the hook.
@@ -59,6 +60,7 @@ class _Iteration:
     """
 
     hparams: list[dict] | None = None
+    hparams_key: list | None = None
     coefs: torch.Tensor | None = None
     invoked: int = 0
     last_invoked: bool = False
@@ -188,10 +190,11 @@ class Engine:
         shard = self.registry.cached(index, buffer)
         if shard is None:  # a bucket not seen before (DDP's first iterations): read it in full
             pids, offsets = self.registry.read_bucket(bucket, buffer, self.pid_of)
-        if self.iteration.last_invoked:
-            if self.overlap == "step" and self.iteration.ready:
-                raise RuntimeError("a synced backward ran twice without optimizer.step() in between; "
-                                   "with overlap='step' accumulate gradients under ddp.no_sync()")
+        if self.iteration.last_invoked:  # a second synced backward: accumulated (step + all_reduce) or refused
+            self.policy.check_second_backward()
+            for item in self.iteration.ready:  # reduced again from the buckets DDP accumulated into
+                for w in item.works:
+                    w.wait()
             previous, self.iteration = self.iteration, _Iteration()  # noqa: F841 (alive until the join)
         it = self.iteration
         if it.hparams is None:
@@ -223,6 +226,7 @@ class Engine:
         """The first bucket of a synced backward, before any of its collectives."""
         self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
         it.hparams = self._read_hparams()
+        it.hparams_key = self.policy.hparams_key(self.opt.param_groups)
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
         it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.side.follow()
@@ -250,9 +254,10 @@ class Engine:
                 it.grad_scale = None if grad_scale is None else grad_scale.reshape(1)
             it.edited = bool(edited)
             self.updates.finish(it, len(it.ready), self.max_grad_norm, follow=honored or it.grad_scale is not None)
-            edited_anywhere = it.edited
-        else:
-            edited_anywhere = self.policy.any_rank(bool(edited))
+            edited_anywhere, changed, changed_anywhere = it.edited, [], False
+        else:  # the update ran with the hyperparameters of the first bucket
+            changed = self.policy.hparams_changed(it.hparams_key)
+            edited_anywhere, changed_anywhere = self.policy.any_rank(bool(edited), bool(changed))
         self._count_skip(it)
         if self.single is not None and self.single.step_ended():
             self.synchronize()  # nothing may be pending on the shards while they move
@@ -271,6 +276,8 @@ class Engine:
             self.side.join()
         if edited_anywhere:
             self.policy.refuse_edit()
+        if changed_anywhere:
+            self.policy.refuse_hparams(changed)
         # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
         if self.on_nonfinite == "raise" and self.scaler is None and bool(it.found_inf):
             raise FloatingPointError(

@@ -8,12 +8,18 @@ the update reads its own reduced slices (or already ran in the backward), so an 
 and is refused on every rank with an error that names the option doing the same job
 (``max_grad_norm``). In step mode the refused step is also skipped on every rank, since the update
 has not run yet; in the other modes it ran without the edit.
+
+The same holds for ``param_groups`` (a learning rate set after the backward): read in ``step()``
+with ``overlap="step"``, and refused in the other modes, whose update read them at the backward's
+first bucket. A second synced backward before ``step()`` is accumulated where the update reads
+``param.grad`` at ``step()`` and refused at its first bucket elsewhere (``check_second_backward``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..options import WHOLE_STEP
 from . import collectives
 from .grad_watch import GradWatch
 from .strides import strided_view
@@ -29,16 +35,59 @@ class StepPolicy:
         scaler, overlap = self.engine.scaler, self.engine.overlap
         linked = scaler is not None and scaler.enabled
         if via_scaler and not linked:
-            if overlap == "bucket":
-                raise RuntimeError("torch.amp.GradScaler needs overlap='step' or overlap='backward' (with "
-                                   "overlap='bucket' a bucket is updated before later buckets' overflow "
-                                   "check is known); build the optimizer with one of them and grad_scaler=scaler")
             raise RuntimeError("scaler.step(optimizer) with a fused_zero optimizer that was not given the "
                                "scaler: build it with grad_scaler=scaler (the loss scale must be known when "
-                               "the gradients are reduced)")
+                               "the gradients are reduced)"
+                               + (f", and without overlap='bucket': {WHOLE_STEP['scaler']}" if overlap == "bucket"
+                                  else ""))
         if linked and not via_scaler:
             raise RuntimeError("this optimizer was built with grad_scaler=scaler: step it through "
                                "scaler.step(optimizer), then scaler.update()")
+
+    def check_second_backward(self) -> None:
+        """A synced backward after another one, with no ``step()`` between (gradient accumulation that
+        syncs every micro-batch: Accelerate's ``sync_each_batch``, multi-loss loops). DDP + torch.optim
+        step on the sum of both averages, which DDP leaves in ``param.grad``; so does overlap="step"
+        with grad_reduce="all_reduce", whose update reads that bucket at ``step()`` (nothing to do
+        here). Elsewhere the first backward's gradients are gone (updated from in the backward, or
+        reduce-scattered in place), and this backward is refused at its first bucket, before anything
+        of it is reduced or applied; every rank is at the same bucket, so every rank raises."""
+        e = self.engine
+        if e.overlap == "step" and e.grad_reduce == "all_reduce":
+            return
+        done = ("the first backward's update already ran inside it" if e.overlap != "step" else
+                "the first backward's gradients were reduce-scattered in place, and adding to them would "
+                "not give their sum")
+        raise RuntimeError(
+            f"a second synced backward before optimizer.step(): with overlap={e.overlap!r} and grad_reduce="
+            f"{e.grad_reduce!r} {done}. Accumulate the micro-batches under ddp.no_sync() (all but the "
+            "last; Accelerate: accelerator.accumulate() without sync_each_batch), or use overlap='step' with "
+            "grad_reduce='all_reduce', which steps on the accumulated gradients as DDP + torch.optim do. "
+            "Nothing of this backward was reduced or applied")
+
+    @staticmethod
+    def hparams_key(param_groups: list[dict]) -> list:
+        """What the update reads of ``param_groups``, comparable later: values as they are, tensors (a
+        tensor lr, which schedulers fill in place) by identity and version counter. No host sync."""
+        return [[(k, (id(v), v._version) if isinstance(v, torch.Tensor) else v)
+                 for k, v in g.items() if k != "params"] for g in param_groups]
+
+    def hparams_changed(self, key: list) -> list[str]:
+        """The param-group entries changed since ``key`` was taken (at the iteration's first bucket)."""
+        now = self.hparams_key(self.engine.opt.param_groups)
+        return [f"param group {i}: {k}" for i, (a, b) in enumerate(zip(key, now))
+                for k in sorted({k for k, _ in a} | {k for k, _ in b}) if dict(a).get(k) != dict(b).get(k)]
+
+    def refuse_hparams(self, changed: list[str]) -> None:
+        """Raise for a hyperparameter set after the update read it (on every rank that learned of it)."""
+        e = self.engine
+        where = ", ".join(changed) if changed else "on another rank"
+        raise RuntimeError(
+            f"param_groups changed between backward and optimizer.step() ({where}), but with overlap="
+            f"{e.overlap!r} the update read them at the backward's first bucket and ran in the backward: "
+            "this step was applied with the values read then. Set hyperparameters before the backward "
+            "(scheduler.step() right after optimizer.step(), as torch's schedulers expect; a warm-up before "
+            "the forward), or use overlap='step', which reads param_groups in step()")
 
     def edits(self, via_scaler: bool, grad_scale: torch.Tensor | None) -> tuple[list[int], bool]:
         """The parameters whose ``.grad`` the user changed since the backward, and whether the update
@@ -74,15 +123,15 @@ class StepPolicy:
             if view.data_ptr() != g.data_ptr() or view.stride() != g.stride():
                 view.copy_(g)
 
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on some rank. On CPU an all-reduce (a host value anyway); on CUDA
+    def any_rank(self, *flags: bool) -> list[bool]:
+        """Whether each flag holds on some rank. On CPU one all-reduce (host values anyway); on CUDA
         reading it back would synchronize the host, so there each rank answers for itself."""
         e = self.engine
         if e.world == 1 or e.side.asynchronous:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=e.device)  # the CPU (see above)
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=e.device)  # the CPU (see above)
         collectives.all_reduce(t, e.group).wait()
-        return bool(t[0] > 0)
+        return [bool(v > 0) for v in t]
 
     def refuse_edit(self) -> None:
         """Raise for an edit that the update could not honor (on every rank that learned of it)."""

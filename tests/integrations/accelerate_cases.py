@@ -120,12 +120,12 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     os.chdir(tmp)
     out = {}
     ref, _, _ = train(world, fused=False)
-    ours, _, acc = train(world, fused=True)
+    ours, _, acc = train(world, fused=True, options={"overlap": "bucket"})
     out["distributed"] = str(acc.distributed_type)
     out["plain"] = differences(ours, ref)
 
     ref, ref_returned, _ = train(world, fused=False, clip=0.05)
-    ours, returned, _ = train(world, fused=True, clip=0.05, options={"overlap": "step"})
+    ours, returned, _ = train(world, fused=True, clip=0.05)  # fused_zero's defaults: "auto" picks "step" here
     unclipped, _, _ = train(world, fused=True, options={"overlap": "step"})
     out["clip"] = differences(ours, ref, exact=False)  # the norm is summed in another order
     out["clip_moved"] = not torch.equal(ours[-1][0], unclipped[-1][0])
@@ -158,7 +158,7 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
         return accelerator, model
 
     def clip_in_bucket_mode():
-        accelerator, model = attached()
+        accelerator, model = attached({"overlap": "bucket"})
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
 
     def clip_by_value():
@@ -167,7 +167,7 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
 
     out["refusals"] = [
         refusal(clip_in_bucket_mode, RuntimeError, r"clip_grad_norm_ of a fused_zero optimizer's parameters needs "
-                r"overlap='step' or 'backward' \(got overlap='bucket'\)"),
+                r"overlap='backward' or overlap='step' \(got overlap='bucket'\)"),
         refusal(clip_by_value, RuntimeError, "clip_grad_value_ is not supported"),
         refusal(lambda: attached(torch_opt=True), TypeError, "needs the fused_zero optimizer .*torch.optim"),
         refusal(lambda: attached(unwrap=True), TypeError, "got torch.nn.modules.container.Sequential"),
@@ -194,8 +194,8 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     out["fp16_unscale_all"] = unscale(named=False)  # Accelerate's unscaling of every optimizer skips ours
     out["fp16_refusals"] = [
         refusal(lambda: unscale(named=True), RuntimeError, r"unscale_gradients\(\) of a fused_zero optimizer"),
-        refusal(lambda: attached(fp16=True), ValueError, r"mixed_precision='fp16' \(a GradScaler\) needs "
-                r"overlap='step' or overlap='backward' \(got overlap='bucket'\)"),
+        refusal(lambda: attached({"overlap": "bucket"}, fp16=True), ValueError, r"mixed_precision='fp16' \(a "
+                r"GradScaler.*\) needs overlap='backward' or overlap='step' \(got overlap='bucket'\)"),
         refusal(lambda: attached({"overlap": "step", "grad_scaler": torch.amp.GradScaler("cpu")}, fp16=True),
                 ValueError, r"Accelerate steps it through its own GradScaler \(accelerator.scaler\)"),
     ]

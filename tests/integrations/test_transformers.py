@@ -37,8 +37,8 @@ def test_trainer_with_fused_zero(tmp_path):
         assert r["saved"] == [], r["saved"]
         assert r["resume"] == [] and r["resume_log"] == [], (r["resume"][:5], r["resume_log"][:5])
         assert r["zero2"] == [] and r["zero2_log"] == [], (r["zero2"][:5], r["zero2_log"][:5])
-        assert r["backward_clip"] == CLIP, r["backward_clip"]
-        assert r["backward"] == [] and r["backward_log"] == [], (r["backward"][:5], r["backward_log"][:5])
+        assert r["defaults_mode"] == "backward" and r["defaults_clip"] == CLIP, (r["defaults_mode"], r["defaults_clip"])
+        assert r["defaults"] == [] and r["defaults_log"] == [], (r["defaults"][:5], r["defaults_log"][:5])
         assert r["bf16"] == [], r["bf16"][:5]
         assert r["fp16"] == [] and r["fp16_skipped"] and r["fp16_lr"] == [], (r["fp16"][:5], r["fp16_lr"])
         scales, ref_scales = r["fp16_scales"]

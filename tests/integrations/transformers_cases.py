@@ -171,13 +171,14 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
     out["zero2"] = differences(zero2, ref, exact=False)  # the norm is summed in another order
     out["zero2_log"] = logs_equal(zero2_log, ref_log, rel=1e-5)
 
-    # overlap="backward": the update runs in the last bucket's hook, clipped there to the max_grad_norm
-    # that attach passes on from TrainingArguments (the norm summed in another order: to rounding)
-    backward, _, backward_log, trainer = run_trainer(at("backward"), optim_cls=(fused_zero.AdamW, {
-        "lr": LR, "overlap": "backward"}))
-    out["backward_clip"] = trainer.optimizer.optimizer._engine.max_grad_norm
-    out["backward"] = differences(backward, ref, exact=False)
-    out["backward_log"] = logs_equal(backward_log, ref_log, rel=1e-5)
+    # fused_zero's defaults with the Trainer's clip: "auto" resolves to "backward", and the update runs in
+    # the last bucket's hook, clipped there to the max_grad_norm that attach passes on from
+    # TrainingArguments (the norm summed in another order: to rounding)
+    defaults, _, defaults_log, trainer = run_trainer(at("defaults"), optim_cls=(fused_zero.AdamW, {"lr": LR}))
+    out["defaults_mode"] = trainer.optimizer.optimizer._engine.overlap
+    out["defaults_clip"] = trainer.optimizer.optimizer._engine.max_grad_norm
+    out["defaults"] = differences(defaults, ref, exact=False)
+    out["defaults_log"] = logs_equal(defaults_log, ref_log, rel=1e-5)
 
     bf16_ref, _, _, _ = run_trainer(at("bf16_ref"), attach=False, steps=4, bf16=True)
     AcceleratorState._reset_state()  # the mixed precision is fixed per process
@@ -200,8 +201,9 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
         return lambda: run_trainer(at("refused"), optim_cls=optim_cls, steps=1, **kw)
 
     out["refusals"] = [
-        refusal(refused((fused_zero.AdamW, {"lr": LR})), ValueError,
-                r"TrainingArguments\(max_grad_norm=0.3\) clips every step, which needs overlap='step'"),
+        refusal(refused((fused_zero.AdamW, {"lr": LR, "overlap": "bucket"})), ValueError,
+                r"TrainingArguments\(max_grad_norm=0.3\) \(a clip every step.*\) needs overlap='backward' or "
+                r"overlap='step' \(got overlap='bucket'\)"),
         refusal(refused(None), TypeError, r"builds its optimizer from TrainingArguments\(optim='adamw_torch'\)"),
         refusal(refused((torch.optim.AdamW, {"lr": LR})), TypeError, "needs a fused_zero optimizer .*torch.optim"),
         refusal(refused((fused_zero.AdamW, {**NATIVE, "max_grad_norm": 0.5})), ValueError,

@@ -63,7 +63,8 @@ def unattached_and_attach_errors(rank, world):
     wrong = DDP(_model())
     out.append(raises(lambda: opt.attach(wrong), ValueError, "not a parameter that the DDP module reduces"))
     out.append(raises(lambda: opt.attach(_Holder(wrong)), TypeError, "wraps a DistributedDataParallel"))
-    out.append(raises(lambda: opt.attach(DDP(model), max_grad_norm=1.0), ValueError, "max_grad_norm needs"))
+    out.append(raises(lambda: opt.attach(DDP(model), overlap="bucket", max_grad_norm=1.0), ValueError,
+                      "max_grad_norm needs"))
     ddp = DDP(model)
     opt.attach(ddp)  # the failed attaches left it unattached and usable
     out.append(str(opt.attached))

@@ -108,7 +108,8 @@ def scaler_misuse(rank, world):
 
     scaler = torch.amp.GradScaler("cpu")
     x, _ = batch(0, 0, rank)
-    out.append(raises(build(grad_scaler=scaler)[1], ValueError, "overlap='step' or overlap='backward'"))
+    out.append(raises(build(grad_scaler=scaler, overlap="bucket")[1], ValueError,
+                      "grad_scaler needs overlap='backward' or overlap='step'"))
     out.append(raises(build(grad_scaler="yes", overlap="step")[1], TypeError, "torch.amp.GradScaler"))
     out.append(raises(build(on_nonfinite="warn")[1], ValueError, "on_nonfinite"))
     build(max_grad_norm=1.0, overlap="backward")[1]()  # accepted now

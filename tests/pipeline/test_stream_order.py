@@ -242,6 +242,7 @@ def _start_without_the_flag(self, it):
     """Defect 3 as it was (with ``_start_after_the_reduction``): no flag and no edge at the start."""
     self.side.join()
     it.hparams = self._read_hparams()
+    it.hparams_key = self.policy.hparams_key(self.opt.param_groups)
 
 
 def _start_after_the_reduction(real):
