@@ -49,6 +49,7 @@ import platform
 import numpy as np
 import pytest
 import torch
+
 from fused_zero.kernels import Segments, adam_coefficients, adam_step, sgd_coefficients, sgd_step
 
 CUDA = torch.cuda.is_available()

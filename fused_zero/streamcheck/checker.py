@@ -235,9 +235,9 @@ class StreamChecker:
         if not spans or (sid is None and self.current is None):  # another thread's host work: not modeled
             return
         with self.lock:
-            self._record(op, spans, sid)
+            self._record(op, spans, sid, transfer)
 
-    def _record(self, op: str, spans: list, sid: int | None) -> None:
+    def _record(self, op: str, spans: list, sid: int | None, transfer: bool) -> None:
         for t, _ in spans:
             self.register(t)
         if sid is None:

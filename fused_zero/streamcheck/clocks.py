@@ -50,7 +50,8 @@ HOST_READ = "host memory read on a device stream"
 
 @dataclass(frozen=True)
 class Hazard:
-    kind: str  # "read after write", "write after write", "write after read", "freed while in use", HOST_READ, "deadlock"
+    # "read after write", "write after write", "write after read", "freed while in use", HOST_READ, "deadlock"
+    kind: str
     storage: str
     first: Access
     second: Access | None  # None for a free

@@ -18,6 +18,7 @@ quotients are IEEE-correct, one rounding each.
 from __future__ import annotations
 
 import torch
+
 from fused_zero.kernels import ADAM_COEFS, SGD_COEFS
 
 _A = {name: i for i, name in enumerate(ADAM_COEFS)}

@@ -13,6 +13,8 @@ import itertools
 
 import pytest
 import torch
+from kernel_reference import adam, sgd
+
 from fused_zero.kernels import (
     ADAM_COEFS,
     SGD_COEFS,
@@ -24,7 +26,6 @@ from fused_zero.kernels import (
     sgd_step,
     sr_key,
 )
-from kernel_reference import adam, sgd
 
 SIZES = (1, 7, 1000, 4099, 33, 2050, 5)
 GROUP = (0, 1, 0, 1, 1, 0, 0)

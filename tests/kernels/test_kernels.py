@@ -9,6 +9,9 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fused_zero.kernels import (
     BLOCK,
     SCALAR_BLOCK,
@@ -21,9 +24,6 @@ from fused_zero.kernels import (
     sgd_step,
     vector_elements,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fused_zero.pipeline.layout import BucketLayout, alignment
 
 SIZES = (1, 7, 1000, 4099, 33, 2050)

@@ -70,9 +70,10 @@ def variants():
 def compile_one(job: tuple[int, int]) -> dict:
     """Compile variant number ``job[1]`` for sm_``job[0]`` (in a process without TRITON_INTERPRET)."""
     import triton
-    from fused_zero.kernels._common import FP_FUSION, NUM_WARPS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from fused_zero.kernels._common import FP_FUSION, NUM_WARPS
 
     arch, index = job
     name, fn, (pdt, gdt, master, moments, stochastic), const = list(variants())[index]

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from fused_zero.kernels import row_table, sr_key
 from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.kernels import row_table, sr_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from kernel_reference import decode8, encode8, round_stochastic

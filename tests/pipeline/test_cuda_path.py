@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from fused_zero.kernels import Segments, adam_coefficients, adam_step
 from scenarios import VOCAB, Case, OddNet, batch, run_case
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.pipeline.engine
+from fused_zero.kernels import Segments, adam_coefficients, adam_step
 from fused_zero.pipeline.engine import Engine, compile_kernels
 from fused_zero.pipeline.streams import SideStream
 

@@ -4,10 +4,10 @@ import itertools
 import math
 
 import pytest
-from fused_zero.kernels import VEC
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fused_zero.kernels import VEC
 from fused_zero.pipeline.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan, vector_share
 
 
