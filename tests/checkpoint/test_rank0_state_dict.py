@@ -345,8 +345,8 @@ def requester_destinations(rank, world, shards):
             post = inbox.post
             inbox.post = lambda r, message, post=post, posted=posted: (posted.append((r, message["kind"])),
                                                                       post(r, message))[1]
-        dist.barrier()
-        before = inbox.store.requests + inbox.listening.requests
+        before = inbox.store.requests + inbox.listening.requests  # before the barrier: no rank has posted
+        dist.barrier()  # (read after it, a slow rank's listener could take rank 0's first post uncounted)
         if rank == 0:
             _assert_matches_torch(opt.state_dict(), ref_opt)
         dist.barrier()
