@@ -174,8 +174,8 @@ class StreamChecker:
         stream), reading ``reads`` and writing ``writes`` (tensors; the bytes each one spans).
 
         A device-stream operation reading (or writing) pageable host memory (``Memory.is_pageable``; index
-        tensors are reads too) is reported, unless it is a ``transfer``: a copy to the device, which
-        CUDA does from any host memory (a host wait from pageable memory, logged by the caller)."""
+        tensors are reads too) is reported, unless it is a ``transfer``: a copy to the device, or a
+        blocking one to the host, which CUDA makes with any host memory (a host wait where pageable)."""
         spans = [(t, False) for t in reads] + [(t, True) for t in writes]
         spans = [(t, w) for t, w in spans if t.numel()]
         if not spans or (sid is None and self.current is None):  # another thread's host work: not modeled

@@ -137,7 +137,9 @@ class ModeledStreams:
         with checker.paused():
             out = t.clone()
         checker.memory.register(out, host=True, name=f"host copy {tuple(out.shape)}")
-        checker.record("copy device->host (blocking)", reads=[t], writes=[out], sid=checker.current)
+        # a transfer: CUDA makes a blocking copy into any host memory, pageable too (unlike to_host's)
+        checker.record("copy device->host (blocking)", reads=[t], writes=[out], sid=checker.current,
+                       transfer=True)
         if checker.in_training_thread():
             checker.host_read(t, "blocking copy to the host", record=False)
         else:
