@@ -195,10 +195,11 @@ class StreamChecker:
                 sid = self.host
             else:
                 sid = self.host if all(self.memory.is_host(t) for t, _ in spans) else self.current
-        if sid == self.host and not self.in_training_thread():  # the server's host work: before its next
-            sid = self.current
+        on_device = sid != self.host
+        if not on_device and not self.in_training_thread():  # the server's host work: before its next
+            sid = self.current  # stream operations, yet still host work (pageable memory is fine there)
         where = self.where()
-        if sid != self.host and not transfer:
+        if on_device and not transfer:
             for t, _ in spans:
                 if self.memory.is_pageable(t):
                     self.clocks.host_read(t.untyped_storage().data_ptr(), *_span(t), sid, op, where)
