@@ -3,7 +3,7 @@ non-zero and name the step; passing and skipped steps do not; ``nvidia-smi`` is 
 and its dry run (``GPU_CHECK_DRY_RUN=1``: every step a CPU stub), whose status lines give each step's
 time and limit: the limits and the reserve for cases still to come fit the budget, and the budget fits
 the device time a session gets (15 minutes: a machine start, a run and one rerun). Every ``-k`` of a
-tests/gpu step selects a case, but the rank-0 ``state_dict()`` step's, whose case is being added."""
+tests/gpu step selects a case."""
 
 import os
 import re
@@ -41,7 +41,7 @@ def test_gpu_check_exit_status_names_the_failing_step(tmp_path, code):
     proc = run_check(tmp_path, code, GPU_CHECK_ONLY="nvidia-smi")
     rows = status(tmp_path)
     assert ["nvidia-smi", str(code)] == rows[0][:2], rows
-    assert ["versions", "skipped", "0", "15"] in rows
+    assert ["versions", "skipped", "0", "10"] in rows
     if code:
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "FAILED: nvidia-smi (exit 3)" in proc.stderr
@@ -65,7 +65,7 @@ def test_dry_run_fits_the_budget_and_the_device_time(tmp_path):
         r"steps (\d+)s \(reserve (\d+)s included\) of (\d+)s, then (\d+)s", proc.stdout).groups())
     assert steps == sum(int(r[3]) for r in rows) + reserve <= total, (steps, total)
     assert reserve >= 30, "room for the GPU cases being added (Muon, CUDA graphs)"
-    assert dict((r[0], int(r[3])) for r in rows)["gpu-state-dict"] >= 30
+    assert dict((r[0], int(r[3])) for r in rows)["gpu-state-dict"] >= 90, "30-60 s on a cold Triton cache"
     assert MACHINE_START + 2 * (total + finish) <= DEVICE_TIME, "a run and one rerun must fit the device time"
 
 
@@ -93,7 +93,7 @@ def test_every_gpu_step_selects_its_cases():
     for name, k in steps:
         terms = [t.strip() for t in k.split(" or ")]
         chosen[name] = [c for c in cases if any(t in c for t in terms)]
-    empty = [name for name, picked in chosen.items() if not picked and name != "gpu-state-dict"]
+    empty = [name for name, picked in chosen.items() if not picked]
     assert not empty, f"steps selecting no case: {empty}"
     covered = {c for picked in chosen.values() for c in picked}
     assert covered == set(cases), f"tests/gpu cases no step runs: {sorted(set(cases) - covered)}"

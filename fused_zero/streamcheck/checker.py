@@ -32,7 +32,6 @@ import contextlib
 import os
 import sys
 import threading
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from ..update.algorithms import Algorithm
 from . import backends
 from .clocks import Clocks, Hazard
 from .device import ModeledEvent, ModeledStreams, ModeledWork, finished_serving
+from .memory import Memory
 from .trace import DispatchCalls, function_patches
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +54,7 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 class StreamChecker:
     """Attributes:
         clocks: the model (streams, clocks, memory, hazards).
+        memory: which storages are known, and whether each is host memory, pinned (memory.py).
         compute, host: the compute stream's and the host's stream index.
         current: the stream operations are queued on now, by the calling thread (None in another thread
             than the one that entered the checker, outside a modeled ``use(stream)``: not recorded).
@@ -75,7 +76,7 @@ class StreamChecker:
         self.served: dict[int, int] = {}
         self.lock = threading.RLock()  # the model is shared by the training and server threads
         self.comm: dict[int, int] = {}
-        self._refs: dict = {}  # storage key -> weak reference to the storage registered there
+        self.memory = Memory(self)
         self.callbacks: int | None = None  # the stream future callbacks run on (device._ModeledFuture)
         self.syncs: list[tuple[str, str, str, bool]] = []
         self.phase = ""
@@ -130,7 +131,7 @@ class StreamChecker:
 
         def host_from_numpy(array):
             t = from_numpy(array)
-            self.register(t, host=True, name=f"host from_numpy {tuple(t.shape)}")
+            self.memory.register(t, host=True, name=f"host from_numpy {tuple(t.shape)}")
             return t
 
         self._patch(torch, "from_numpy", host_from_numpy)
@@ -168,68 +169,13 @@ class StreamChecker:
     def is_paused(self) -> bool:
         return self.paused_depth() > 0
 
-    # ------------------------------------------------------------------ memory
-
-    def register(self, t: torch.Tensor, host: bool = False, name: str | None = None, pinned: bool = False,
-                 origin: str = "") -> None:
-        """Know ``t``'s storage (allocated now, on the current stream, unless known already). ``origin``:
-        the host tensor a host-computed one derives from (named in reports: where the data was made)."""
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self.lock:
-            if key == 0 or self._known(t) is not None:
-                return
-            if key in self.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
-                self._freed(key)
-            sid = self.host if host or self.current is None else self.current
-            label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
-            label = f"{label} (made at {self.where()}{f', from {origin}' if origin else ''})"
-            self.clocks.storage(key, label, sid, host, pinned).origin = origin
-            ref = self._refs[key] = weakref.ref(storage)
-        weakref.finalize(storage, self._freed, key, ref)
-
-    def _known(self, t: torch.Tensor):
-        """``t``'s storage as registered, or None: unknown, or a dead storage's entry at the same address."""
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self.lock:
-            ref = self._refs.get(key)
-            if ref is None or ref() is not storage:
-                return None
-            return self.clocks.storages.get(key)
-
-    def origin(self, t: torch.Tensor) -> str:
-        """The host tensor ``t``'s values were first made in (itself, if not computed from another)."""
-        st = self._known(t)
-        if st is None:
-            return ""
-        return st.origin or st.name
-
-    def _freed(self, key, ref=None) -> None:
-        with self.lock:
-            if ref is not None and self._refs.get(key) is not ref:
-                return  # its address was registered again already
-            self._refs.pop(key, None)
-            if key in self.clocks.storages:
-                self.clocks.freed(key, self.where())
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        st = self._known(t)
-        return st is not None and st.host
-
-    def is_pageable(self, t: torch.Tensor) -> bool:
-        """Host memory a device stream cannot read: not pinned, not a 0-dim value (CUDA takes a 0-dim
-        CPU tensor as a scalar argument)."""
-        st = self._known(t)
-        return st is not None and st.host and not st.pinned and t.dim() > 0
-
     def record(self, op: str, reads=(), writes=(), sid: int | None = None, transfer: bool = False) -> None:
         """One operation on ``sid`` (default: the host if it touches host memory only, else the current
         stream), reading ``reads`` and writing ``writes`` (tensors; the bytes each one spans).
 
-        A device-stream operation reading (or writing) pageable host memory (``is_pageable``; index
-        tensors are reads too) is reported, unless it is a ``transfer``: a copy to the device, which
-        CUDA does from any host memory (a host wait from pageable memory, logged by the caller)."""
+        A device-stream operation reading (or writing) pageable host memory (``Memory.is_pageable``; index
+        tensors are reads too) is reported, unless it is a ``transfer``: a copy to the device, or a
+        blocking one to the host, which CUDA makes with any host memory (a host wait where pageable)."""
         spans = [(t, False) for t in reads] + [(t, True) for t in writes]
         spans = [(t, w) for t, w in spans if t.numel()]
         if not spans or (sid is None and self.current is None):  # another thread's host work: not modeled
@@ -239,22 +185,23 @@ class StreamChecker:
 
     def _record(self, op: str, spans: list, sid: int | None, transfer: bool) -> None:
         for t, _ in spans:
-            self.register(t)
+            self.memory.register(t)
         if sid is None:
             written = [t for t, w in spans if w]
-            if written and all(self.is_host(t) for t in written):  # the host writes host memory itself
-                device_reads = [t for t, w in spans if not w and not self.is_host(t)]
+            if written and all(self.memory.is_host(t) for t in written):  # the host writes host memory itself
+                device_reads = [t for t, w in spans if not w and not self.memory.is_host(t)]
                 if device_reads:  # a copy from the device into host memory: the host waits for it
                     self.host_read(device_reads[0], f"{op} of a device tensor into host memory", record=False)
                 sid = self.host
             else:
-                sid = self.host if all(self.is_host(t) for t, _ in spans) else self.current
-        if sid == self.host and not self.in_training_thread():  # the server's host work: before its next
-            sid = self.current
+                sid = self.host if all(self.memory.is_host(t) for t, _ in spans) else self.current
+        on_device = sid != self.host
+        if not on_device and not self.in_training_thread():  # the server's host work: before its next
+            sid = self.current  # stream operations, yet still host work (pageable memory is fine there)
         where = self.where()
-        if sid != self.host and not transfer:
+        if on_device and not transfer:
             for t, _ in spans:
-                if self.is_pageable(t):
+                if self.memory.is_pageable(t):
                     self.clocks.host_read(t.untyped_storage().data_ptr(), *_span(t), sid, op, where)
         for key, lo, hi, write in _coalesce(spans):
             self.clocks.access(key, lo, hi, sid, write, op, where)
@@ -340,7 +287,7 @@ class StreamChecker:
             with checker.paused():
                 out = real(algo, backend, rows, segments, coefs, grad, grad_scale)
             for t in out:
-                checker.register(t)
+                checker.memory.register(t)
             checker.record("norm kernel", reads=reads, writes=list(out))
             return out
         return grad_sumsq

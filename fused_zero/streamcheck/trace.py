@@ -66,7 +66,7 @@ def _factory(checker, real):
         made = _tensors(out)
         kind = "pinned" if pinned else "host" if host else "device"
         for t in made:
-            checker.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned)
+            checker.memory.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned)
         if real.__name__ != "empty":  # the values it fills in are a write, on the stream it runs on
             checker.record(f"torch.{real.__name__}", writes=made)
         return out
@@ -75,7 +75,7 @@ def _factory(checker, real):
 
 def _host_read(checker, real, what: str):
     def read(self, *args, **kwargs):
-        if not checker.is_paused() and not checker.is_host(self):
+        if not checker.is_paused() and not checker.memory.is_host(self):
             checker.host_read(self, what)
         return real(self, *args, **kwargs)
     return read
@@ -85,7 +85,7 @@ def _to(checker, real):
     def to(self, *args, **kwargs):
         target = _device_arg(args, kwargs)
         if target is not None and not checker.is_paused():
-            source_host = checker.is_host(self)
+            source_host = checker.memory.is_host(self)
             to_host = isinstance(target, str) and target == "cpu"
             if source_host and not to_host:
                 if not kwargs.get("non_blocking", False):
@@ -93,7 +93,7 @@ def _to(checker, real):
                 # a copy in device memory, as on a GPU (on the CPU ``to`` hands back the host tensor itself)
                 with checker.paused():
                     out = real(self, *args, **{**kwargs, "copy": True})
-                checker.register(out, name=f"device copy {tuple(out.shape)}")
+                checker.memory.register(out, name=f"device copy {tuple(out.shape)}")
                 checker.record("tensor.to(device)", reads=[self], writes=[out], transfer=True)
                 return out
             if not source_host and to_host:
@@ -117,7 +117,7 @@ class DispatchCalls(TorchDispatchMode):
         name = str(func.overloadpacket.__name__)
         if name in ("lift_fresh", "lift_fresh_copy"):  # Python data (an index list, a number) made a tensor
             for t in _tensors(out):
-                checker.register(t, host=True, name=f"host data {tuple(t.shape)}")
+                checker.memory.register(t, host=True, name=f"host data {tuple(t.shape)}")
             return out
         reads, writes, inputs = [], [], []
         for argument, value in _arguments(schema, args, kwargs):
@@ -137,17 +137,17 @@ class DispatchCalls(TorchDispatchMode):
         # as CUDA takes 0-dim CPU tensors anywhere; an operation of scalars and Python numbers only makes
         # a host scalar
         shaped = [t for t in inputs if t.dim()] or inputs
-        host = all(checker.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
-        origin = checker.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
+        host = all(checker.memory.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
+        origin = checker.memory.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
         for t in fresh:
-            checker.register(t, host=host, origin=origin)
+            checker.memory.register(t, host=host, origin=origin)
         # a copy from host memory into device memory is a transfer, not a device operation on host
         # memory: CUDA makes it from any host memory, with a host wait from pageable memory
-        transfer = name == "copy_" and not checker.is_host(args[0]) and checker.is_host(args[1])
-        if transfer and checker.is_pageable(args[1]):
+        transfer = name == "copy_" and not checker.memory.is_host(args[0]) and checker.memory.is_host(args[1])
+        if transfer and checker.memory.is_pageable(args[1]):
             checker.log_sync("blocking host-to-device copy (copy_ from pageable memory)")
         checker.record(f"aten.{name}", reads=reads, writes=writes + fresh, transfer=transfer)
-        if name == "_local_scalar_dense" and reads and not checker.is_host(reads[0]):
+        if name == "_local_scalar_dense" and reads and not checker.memory.is_host(reads[0]):
             checker.host_read(reads[0], "a device value read by the host (item(), bool(), float())", record=False)
         return out
 

@@ -58,8 +58,8 @@ class IssueOrder:
         self.reductions = 0
         record = checker.record
 
-        def noting(op, reads=(), writes=(), sid=None):
-            record(op, reads, writes, sid)
+        def noting(op, *args, **kwargs):  # the checker's own signature passed on whole (transfer=...)
+            record(op, *args, **kwargs)
             if op in ("update kernel", "norm kernel"):
                 s = checker.current
                 self.launches.append((s, checker.clocks.vc[s][s], f"{op} at {_engine_line()}"))

@@ -1,0 +1,85 @@
+"""``Memory``: which storages the checker knows, and of what kind each one's memory is.
+
+Split from the checker (checker.py) because it answers one question the ordering rules keep asking,
+"what is this tensor's memory?": device memory a stream owns, host memory (pinned or pageable), and
+for host values computed from other host values, the tensor they were first made in (so a report
+names where the data came from, not the temporary a device operation read). A storage is known by its
+address together with a weak reference to it: the allocator reuses an address once its storage is
+dead, possibly before the finalizer that records the free has run, and the weak reference tells the
+two apart.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .checker import StreamChecker
+    from .clocks import Storage
+
+
+class Memory:
+    """The storages of one ``StreamChecker`` (its clocks hold their accesses; this holds their
+    identities)."""
+
+    def __init__(self, checker: StreamChecker):
+        self.checker = checker
+        self._refs: dict = {}  # storage key -> weak reference to the storage registered there
+
+    def register(self, t: torch.Tensor, host: bool = False, name: str | None = None, pinned: bool = False,
+                 origin: str = "") -> None:
+        """Know ``t``'s storage (allocated now, on the current stream, unless known already). ``origin``:
+        the host tensor a host-computed one derives from (named in reports: where the data was made)."""
+        checker = self.checker
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with checker.lock:
+            if key == 0 or self.known(t) is not None:
+                return
+            if key in checker.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
+                self._freed(key)
+            sid = checker.host if host or checker.current is None else checker.current
+            label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
+            label = f"{label} (made at {checker.where()}{f', from {origin}' if origin else ''})"
+            checker.clocks.storage(key, label, sid, host, pinned).origin = origin
+            ref = self._refs[key] = weakref.ref(storage)
+        weakref.finalize(storage, self._freed, key, ref)
+
+    def known(self, t: torch.Tensor) -> Storage | None:
+        """``t``'s storage as registered, or None: unknown, or a dead storage's entry at the same address."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self.checker.lock:
+            ref = self._refs.get(key)
+            if ref is None or ref() is not storage:
+                return None
+            return self.checker.clocks.storages.get(key)
+
+    def origin(self, t: torch.Tensor) -> str:
+        """The host tensor ``t``'s values were first made in (itself, if not computed from another)."""
+        st = self.known(t)
+        if st is None:
+            return ""
+        return st.origin or st.name
+
+    def _freed(self, key, ref=None) -> None:
+        checker = self.checker
+        with checker.lock:
+            if ref is not None and self._refs.get(key) is not ref:
+                return  # its address was registered again already
+            self._refs.pop(key, None)
+            if key in checker.clocks.storages:
+                checker.clocks.freed(key, checker.where())
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        st = self.known(t)
+        return st is not None and st.host
+
+    def is_pageable(self, t: torch.Tensor) -> bool:
+        """Host memory a device stream cannot read: not pinned, not a 0-dim value (CUDA takes a 0-dim
+        CPU tensor as a scalar argument)."""
+        st = self.known(t)
+        return st is not None and st.host and not st.pinned and t.dim() > 0
