@@ -39,11 +39,10 @@ from fused_zero.demo.spawn import run_ranks
 RUNS = {  # name: (parameter dtype, fused_zero options)
     "fp32": ("float32", {}),
     "bf16 moments": ("float32", {"state_format": "bf16"}),
-    "int8 moments": ("float32", {"state_format": "int8"}),
+    "int8 moments": ("float32", {"state_format": "8bit"}),
     "bf16 params + master": ("bfloat16", {"master_weights": True}),
     "bf16 params, nearest": ("bfloat16", {"master_weights": False}),
-    "int8 + SR, no master": ("bfloat16", {"master_weights": False, "stochastic_rounding": True,
-                                          "state_format": "int8"}),
+    "int8 + SR, no master": ("bfloat16", {"master_weights": "stochastic", "state_format": "8bit"}),
 }
 
 

@@ -34,12 +34,12 @@ from test_bench_step import CLOCK, CUDA, PAIR_WORLD, _median, _report, device_na
 FORMATS = {  # name: (parameter dtype, options)
     "fp32": (torch.float32, {}),
     "bf16": (torch.float32, {"state_format": "bf16"}),
-    "int8": (torch.float32, {"state_format": "int8"}),
+    "int8": (torch.float32, {"state_format": "8bit"}),
     "bf16p-fp32": (torch.bfloat16, {"master_weights": True}),
     "bf16p-bf16": (torch.bfloat16, {"master_weights": True, "state_format": "bf16"}),
-    "bf16p-int8": (torch.bfloat16, {"master_weights": True, "state_format": "int8"}),
-    "bf16p-int8-sr": (torch.bfloat16, {"master_weights": False, "stochastic_rounding": True, "state_format": "int8"}),
-    "int8-matrices": (torch.float32, {"matrices": "int8"}),
+    "bf16p-int8": (torch.bfloat16, {"master_weights": True, "state_format": "8bit"}),
+    "bf16p-int8-sr": (torch.bfloat16, {"master_weights": "stochastic", "state_format": "8bit"}),
+    "int8-matrices": (torch.float32, {"matrices": "8bit"}),
 }
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 30 if CUDA else 12))

@@ -32,30 +32,43 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 
 from .optimizer import _ShardedOptimizer
-from .options import check_whole_step
+from .options import OPTIONS, check_whole_step, normalize_options
 
-_SHARDING_OPTIONS = ("grad_reduce", "overlap", "master_weights", "param_sync", "backend")
+_MAPPED = ("stochastic_rounding", "backend", "_backend")  # normalize_options maps (or keeps) them
+
+LIGHTNING_OWNS = {
+    "ddp": "Lightning wraps the module in DDP itself; the strategy attaches the optimizer to that module",
+    "max_grad_norm": "Lightning owns clipping: pass Trainer(gradient_clip_val=...), which becomes max_grad_norm",
+    "grad_scaler": "Lightning owns the loss scaler: pass Trainer(precision='16-mixed'), whose scaler is handed "
+                   "over",
+}
+"""The sharding options Lightning sets through its own arguments, refused here naming them."""
+
+SHARDING_OPTIONS = tuple(name for name, _, _ in OPTIONS if name not in LIGHTNING_OWNS)
+"""The sharding options FusedZeroStrategy forwards to the optimizer's ``attach`` (options.OPTIONS)."""
 
 
 class FusedZeroStrategy(DDPStrategy):
     """DDP with a fused_zero optimizer attached to the DDP module.
 
     Args:
-        grad_reduce, overlap, master_weights, param_sync, backend: fused_zero's sharding options (see
-            ``fused_zero.AdamW``); left as None, the optimizer's own (or the default) apply.
-        **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``, ``static_graph``,
-            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``process_group_backend``, ...).
+        **kwargs: fused_zero's sharding options (``SHARDING_OPTIONS``: every one of options.OPTIONS but
+            those Lightning owns, ``LIGHTNING_OWNS``), forwarded to the optimizer's ``attach``; not given,
+            the optimizer's own (or the default) apply. The rest is what ``DDPStrategy`` takes
+            (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+            ``process_group_backend``, ...).
     """
 
     strategy_name = "fused_zero"
 
-    def __init__(self, *, grad_reduce: str | None = None, overlap: str | None = None,
-                 master_weights: bool | None = None, param_sync: str | None = None, backend: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        owned = sorted(k for k in kwargs if k in LIGHTNING_OWNS)
+        if owned:
+            raise ValueError(f"FusedZeroStrategy does not take {', '.join(owned)}: "
+                             + "; ".join(LIGHTNING_OWNS[k] for k in owned))
+        sharding = {k: kwargs.pop(k) for k in list(kwargs) if k in SHARDING_OPTIONS or k in _MAPPED}
         super().__init__(**kwargs)
-        given = dict(grad_reduce=grad_reduce, overlap=overlap, master_weights=master_weights,
-                     param_sync=param_sync, backend=backend)
-        self._sharding = {k: v for k, v in given.items() if v is not None}
+        self._sharding = normalize_options(sharding, "FusedZeroStrategy", stacklevel=3)
         self._max_grad_norm: float | None = None
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -17,12 +17,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import canonical, loading, serving, sharded
-from .options import STATE_FORMATS, ShardingOptions
+from .options import STATE_FORMATS, ShardingOptions, canonical_state_format, normalize_options
 from .pipeline.engine import Engine
 from .update.algorithms import AdamFamily, SGDAlgorithm
 
 # sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
-_PER_OPTIMIZER = ("stochastic_rounding", "seed")
+_PER_OPTIMIZER = ("master_weights", "stochastic_rounding", "seed")
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -89,6 +89,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         update is always one fused kernel."""
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
+        options = normalize_options(options, type(self).__name__)
         _check_options(options)
         self._algorithm = algorithm
         self._options = dict(options)
@@ -113,6 +114,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
                                "shards one DDP's buckets, once")
         _check_ddp(ddp)
+        options = normalize_options(options, f"{type(self).__name__}.attach()", stacklevel=3)
         for name, value in options.items():
             if name in self._options and self._options[name] != value and self._options[name] != "auto":
                 raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
@@ -161,6 +163,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 f"rounding for every param group; pass {', '.join(f'{k}=...' for k in per_optimizer)} to the "
                 "optimizer itself instead")
         fmt = param_group.get("state_format", "fp32") if isinstance(param_group, dict) else "fp32"
+        if canonical_state_format(fmt) != fmt:  # the 0.x name: the group keeps today's
+            param_group["state_format"] = fmt = canonical_state_format(fmt)
         if fmt not in STATE_FORMATS:
             raise ValueError(f"param group {len(self.param_groups)} sets state_format={fmt!r}: choose one of "
                              f"{', '.join(map(repr, STATE_FORMATS))}")
@@ -294,12 +298,9 @@ class SGD(_ShardedOptimizer):
 
 
 def _check_options(options: dict) -> None:
-    """Names and values of the sharding options, checked without a DDP module (Engine checks them again)."""
-    try:
-        ShardingOptions(**options)
-    except TypeError as e:
-        known = ", ".join(ShardingOptions.__dataclass_fields__)
-        raise TypeError(f"{e}: the sharding options are {known}") from None
+    """Values of the sharding options (normalize_options checked the names), checked without a DDP
+    module (Engine checks them again)."""
+    ShardingOptions(**options)
 
 
 def _not_attached(opt, what: str) -> str:

@@ -7,7 +7,9 @@ construction.
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,9 @@ OVERLAPS = ("auto", "bucket", "backward", "step")
 GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 BACKENDS = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STATE_FORMATS = ("fp32", "bf16", "int8")
+STATE_FORMATS = ("fp32", "bf16", "8bit")
+STATE_FORMAT_ALIASES = {"int8": "8bit"}  # the 0.x name, still accepted (and in checkpoints' metadata)
+MASTER_WEIGHTS = (None, True, False, "stochastic")
 PARAM_SYNCS = ("step", "forward")
 ON_NONFINITES = ("skip", "raise")
 GRAD_REDUCE_DTYPES = (None, torch.bfloat16, torch.float16)
@@ -37,8 +41,10 @@ OPTIONS = (
      "reduced, or in `step()`; `\"auto\"` is `\"backward\"` with `max_grad_norm` or `grad_scaler`, else "
      "`\"bucket\"`. Only `\"step\"` applies a clip or `.grad` edit made after the backward "
      "([docs/usage.md](docs/usage.md#overlap-modes))"),
-    ("master_weights", "`None` (default: on for bf16/fp16), `True`, `False`",
-     "fp32 master copy of low-precision parameters"),
+    ("master_weights", '`None` (default: on for bf16/fp16), `True`, `False`, `"stochastic"`',
+     "how bf16/fp16 parameters are updated: from an fp32 master copy (`None`, `True`), in place rounded to "
+     'nearest (`False`), or in place with stochastic rounding, unbiased (`"stochastic"`: bf16 parameters '
+     "only, no master copy)"),
     ("max_grad_norm", "float",
      "global-norm clipping as `clip_grad_norm_`, of the reduced gradients; needs every gradient before any "
      'update: not with `overlap="bucket"`'),
@@ -50,18 +56,13 @@ OPTIONS = (
     ("param_sync", '`"step"` (default), `"forward"`',
      "when the all-gathered parameters are waited for: `step()` returns with every parameter updated, or "
      "each module's forward pre-hook waits for the buckets it can read"),
-    ("backend", '`"auto"` (default), `"triton"`, `"torch"`',
-     "the update's implementation: Triton on CUDA; torch's own ops on CPU (bit-identical to torch.optim; "
-     'refused on CUDA); `"triton"` on CPU runs the interpreter'),
-    ("state_format", '`"fp32"` (default), `"bf16"`, `"int8"`',
-     "how the moments are kept: fp32, bf16 (rounded to nearest even) or 8-bit blocks of up to 2048 elements "
-     "with one fp32 scale each ([docs/compact-state.md](docs/compact-state.md)); a param group may set its own"),
-    ("stochastic_rounding", "`False` (default), `True`",
-     "bf16 parameters without fp32 masters (`master_weights=False`): the update's fp32 result rounded to bf16 "
-     "stochastically, unbiased"),
+    ("state_format", '`"fp32"` (default), `"bf16"`, `"8bit"`',
+     "how the moments are kept: fp32, bf16 (rounded to nearest even) or 8-bit floats (sign + E4M3, E5M3 for "
+     'the second moment) in blocks of up to 2048 elements with one fp32 scale each (`"int8"`, its old name, '
+     "is accepted) ([docs/compact-state.md](docs/compact-state.md)); a param group may set its own"),
     ("seed", "int in `[0, 2**32)`, default 0",
-     "the stochastic rounding's seed: the bits depend on (seed, step, element index in its parameter) only, "
-     "never on the world size or the bucket layout"),
+     'with `master_weights="stochastic"` only (refused otherwise): the rounding\'s seed; the bits depend on '
+     "(seed, step, element index in its parameter) only, never on the world size or the bucket layout"),
     ("shard_group", "`None` (default: all of DDP's ranks), an int S, a `ProcessGroup`, a `DeviceMesh`",
      "shard within groups (S consecutive ranks; this rank's group; a 2-D mesh `(replicate, shard)`), "
      "replicate across them: state per rank 1/S ([docs/shard-groups.md](docs/shard-groups.md))"),
@@ -95,12 +96,11 @@ class ShardingOptions:
     master_weights: bool | None = None
     max_grad_norm: float | None = None
     param_sync: str = "step"
-    backend: str = "auto"
+    _backend: str = "auto"  # the tests' knob (docs/testing.md): the device decides
     grad_scaler: object = None
     on_nonfinite: str = "skip"
     state_format: str = "fp32"
-    stochastic_rounding: bool = False
-    seed: int = 0
+    seed: int | None = None
     shard_group: object = None
     grad_reduce_dtype: torch.dtype | None = None
 
@@ -108,19 +108,26 @@ class ShardingOptions:
         _check_choice("overlap", self.overlap, OVERLAPS)
         _check_choice("grad_reduce", self.grad_reduce, GRAD_REDUCES)
         _check_choice("param_sync", self.param_sync, PARAM_SYNCS)
-        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("_backend", self._backend, BACKENDS)
         _check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITES)
         object.__setattr__(self, "overlap", resolve_overlap(self.overlap, self.max_grad_norm, self.grad_scaler))
         if self.grad_scaler is not None:
             check_whole_step("grad_scaler", "scaler", self.overlap)
         _check_choice("state_format", self.state_format, STATE_FORMATS)
-        if not isinstance(self.stochastic_rounding, bool):
-            raise ValueError(f"stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
-        if self.stochastic_rounding and self.master_weights:
-            raise ValueError("stochastic_rounding rounds bf16 parameters that have no fp32 master: it cannot be "
-                             "combined with master_weights=True")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not (self.master_weights is None or isinstance(self.master_weights, bool)
+                or self.master_weights == "stochastic"):
+            raise ValueError(f"master_weights={self.master_weights!r} is not one of None (fp32 masters for "
+                             "bf16/fp16 parameters), True, False (updated in place, rounded to nearest), "
+                             "'stochastic' (bf16 updated in place, stochastic rounding)")
+        if self.seed is not None:
+            if not self.stochastic_rounding:
+                raise ValueError(f"seed={self.seed!r} seeds stochastic rounding, which is off "
+                                 f"(master_weights={self.master_weights!r}): pass master_weights='stochastic' "
+                                 "with it, or drop seed")
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
+                raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        elif self.stochastic_rounding:
+            object.__setattr__(self, "seed", 0)
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of None (each gradient in "
                              "its own dtype), torch.bfloat16, torch.float16")
@@ -132,30 +139,38 @@ class ShardingOptions:
             if not self.max_grad_norm > 0:
                 raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.master_weights == "stochastic"
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
     def resolved_backend(self, device: torch.device) -> str:
         if self.backend == "auto":
             return "triton" if device.type == "cuda" else "torch"
         if self.backend == "torch" and device.type != "cpu":
-            raise ValueError(f"backend='torch' is the CPU path (torch's own CPU ops, one call per run of "
+            raise ValueError(f"_backend='torch' is the CPU path (torch's own CPU ops, one call per run of "
                              f"elements: bit-identical to torch.optim on CPU, with host reads of its flags); the "
-                             f"parameters are on {device}: use backend='auto' or 'triton'")
+                             f"parameters are on {device}: use _backend='auto' or 'triton'")
         if self.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
-                             "before importing fused_zero, or use backend='torch'")
+            raise ValueError("_backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before importing fused_zero, or use _backend='torch'")
         return self.backend
 
     def keeps_master(self, dtype: torch.dtype) -> bool:
         """Whether parameters of ``dtype`` get fp32 master weights."""
-        return dtype != torch.float32 and self.master_weights is not False and not self.stochastic_rounding
+        return dtype != torch.float32 and self.master_weights in (None, True)
 
     def check_params(self, params: list[torch.Tensor]) -> None:
         """Stochastic rounding writes bf16: every parameter must be one."""
         if self.stochastic_rounding:
             others = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
             if others:
-                raise ValueError(f"stochastic_rounding rounds fp32 results to bf16 parameters, and this model has "
-                                 f"{', '.join(others)} parameters: convert the model to bf16 (model.bfloat16()), "
-                                 "or keep master weights for 16-bit parameters and drop stochastic_rounding")
+                raise ValueError(f"master_weights='stochastic' rounds fp32 results to bf16 parameters, and this model "
+                                 f"has {', '.join(others)} parameters: convert the model to bf16 (model.bfloat16()), "
+                                 "or keep master weights for 16-bit parameters (master_weights=None)")
 
 
 WHOLE_STEP = {
@@ -196,6 +211,54 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def canonical_state_format(fmt):
+    """A state format's name, with the 0.x alias ("int8", also in checkpoints' metadata) mapped."""
+    return STATE_FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
+
+
+_RENAMED = {
+    "stochastic_rounding": "stochastic_rounding=True is now master_weights='stochastic'",
+    "backend": "backend is decided by the device (Triton on CUDA, torch's ops on CPU): leave it out",
+}
+
+
+def normalize_options(options: dict, owner: str, stacklevel: int = 4) -> dict:
+    """The keyword-only options as ShardingOptions takes them: the 0.x spellings (``stochastic_rounding``,
+    ``backend``, ``state_format="int8"``) mapped onto today's, with one DeprecationWarning naming the new
+    spelling, and an unknown keyword refused naming ``owner`` (the optimizer class), the closest option
+    and every valid one (not ShardingOptions, which users never build)."""
+    public = [name for name, _, _ in OPTIONS if name != "ddp"]
+    out, old = {}, []
+    for name, value in options.items():
+        if name == "stochastic_rounding":
+            old.append(_RENAMED[name])
+            if value is True:
+                if options.get("master_weights") is True:  # 0.x wrote master_weights=False with it
+                    raise ValueError(f"stochastic_rounding=True (now master_weights='stochastic') with "
+                                     f"master_weights={options['master_weights']!r}: give master_weights only")
+                out["master_weights"] = "stochastic"
+            elif value is not False:
+                raise ValueError(f"stochastic_rounding must be True or False, got {value!r}; today's "
+                                 "spelling is master_weights='stochastic'")
+        elif name == "backend":
+            old.append(_RENAMED[name])
+            out["_backend"] = value
+        elif name == "state_format" and value in STATE_FORMAT_ALIASES:
+            old.append(f"state_format={value!r} is now {STATE_FORMAT_ALIASES[value]!r}")
+            out[name] = STATE_FORMAT_ALIASES[value]
+        elif name in public or name == "_backend":
+            out.setdefault(name, value)
+        else:
+            close = difflib.get_close_matches(name, public, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}=?" if close else "."
+            raise TypeError(f"{owner} got an unknown keyword argument {name!r}{hint} Its options are "
+                            f"{', '.join(public)} (and ddp=); see `fused-zero options`")
+    if old:
+        warnings.warn(f"{owner}: {'; '.join(old)}. The old spelling is accepted with the new meaning",
+                      DeprecationWarning, stacklevel=stacklevel)
+    return out
+
+
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
@@ -204,7 +267,7 @@ def _check_choice(name: str, value, choices) -> None:
 def group_state_formats(param_groups: list[dict], default: str) -> list[str]:
     """Each param group's moment format: its ``state_format``, else ``default`` (checked here too: a
     group's key may have been edited since ``add_param_group`` checked it)."""
-    formats = [g.get("state_format", default) for g in param_groups]
+    formats = [canonical_state_format(g.get("state_format", default)) for g in param_groups]
     for i, fmt in enumerate(formats):
         _check_choice(f"param group {i}: state_format", fmt, STATE_FORMATS)
     return formats

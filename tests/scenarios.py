@@ -126,7 +126,7 @@ def build(case: Case, rank: int):
     with forced_plan(case.plan):
         opt = getattr(fused_zero, case.opt)(param_groups(model, case), ddp=ddp, overlap=case.overlap,
                                              grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
-                                             backend=case.backend, param_sync=case.param_sync,
+                                             _backend=case.backend, param_sync=case.param_sync,
                                              master_weights=case.master, shard_group=shard_group(case.shard),
                                              grad_reduce_dtype=case.reduce_dtype)
     if case.dtype == torch.float32:

@@ -56,7 +56,7 @@ def construction_errors(rank, world):
 
     expect(lambda: AdamW(params, ddp=ddp, overlap="eager"), ValueError, "overlap='eager'")
     expect(lambda: AdamW(params, ddp=ddp, grad_reduce="ring"), ValueError, "grad_reduce")
-    expect(lambda: AdamW(params, ddp=ddp, backend="cuda"), ValueError, "backend")
+    expect(lambda: AdamW(params, ddp=ddp, _backend="cuda"), ValueError, "_backend")
     expect(lambda: AdamW(params, ddp=ddp, overlap="bucket", max_grad_norm=1.0), ValueError, "max_grad_norm needs")
     expect(lambda: AdamW(params, ddp=ddp, overlap="step", max_grad_norm=-1.0), ValueError,
            "max_grad_norm must be > 0")
@@ -73,7 +73,7 @@ def construction_errors(rank, world):
     expect(lambda: AdamW(groups, ddp=ddp), ValueError, "amsgrad must be the same")
     old = os.environ.pop("TRITON_INTERPRET")
     try:
-        expect(lambda: AdamW(params, ddp=ddp, backend="triton"), ValueError, "TRITON_INTERPRET")
+        expect(lambda: AdamW(params, ddp=ddp, _backend="triton"), ValueError, "TRITON_INTERPRET")
     finally:
         os.environ["TRITON_INTERPRET"] = old
     emb = nn.Embedding(10, 3, sparse=True)

@@ -107,7 +107,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
     model, ddp = _make(cfg, tok.vocab_size, device)
     ref_opt = getattr(torch.optim, cfg.optimizer)(_groups(ref_model, cfg))
     opt = getattr(fused_zero, cfg.optimizer)(_groups(model, cfg), ddp=ddp, overlap=cfg.overlap,
-                                              grad_reduce=cfg.grad_reduce, backend=cfg.backend,
+                                              grad_reduce=cfg.grad_reduce, _backend=cfg.backend,
                                               master_weights=False)
     stream = batches(data, batch_size=cfg.batch_size, block_size=cfg.block_size, rank=rank,
                      world_size=world, seed=cfg.seed)

@@ -14,8 +14,8 @@ import torch
 
 from ..kernels import sr_key
 
-FORMATS = ("fp32", "bf16", "int8")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+FORMATS = ("fp32", "bf16", "8bit")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 SIGNED = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
 """Which moments take the signed 8-bit code (the others are never negative)."""
 

@@ -255,10 +255,10 @@ def _formats(rank, world):
     from formats_scenarios import FormatCase, train
 
     cases = [FormatCase(state_format=f, overlap=o, backend="triton", device="cuda", steps=8)
-             for f in ("bf16", "int8") for o in ("bucket", "backward", "step")]
-    cases += [FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap="step", backend="triton",
+             for f in ("bf16", "8bit") for o in ("bucket", "backward", "step")]
+    cases += [FormatCase(groups=("8bit", "bf16", None), state_format="fp32", overlap="step", backend="triton",
                          device="cuda", bucket_cap_mb=0.002, steps=8),
-              FormatCase(state_format="int8", stochastic=True, overlap="backward", backend="triton", device="cuda",
+              FormatCase(state_format="8bit", stochastic=True, overlap="backward", backend="triton", device="cuda",
                          steps=8),
               FormatCase(state_format="bf16", opt="SGD", overlap="bucket", backend="triton",
                          device="cuda", steps=8)]

@@ -33,7 +33,7 @@ def _side_by_side(rank, world):
     model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 128))
     ours, theirs, oracle = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     ddp = DDP(ours)
-    opts = {"fused_zero": (ddp, fused_zero.AdamW(ddp.parameters(), ddp=ddp, state_format="int8")),
+    opts = {"fused_zero": (ddp, fused_zero.AdamW(ddp.parameters(), ddp=ddp, state_format="8bit")),
             "torchao": (theirs, AdamW8bit(theirs.parameters(), block_size=256)),
             "torch": (oracle, torch.optim.AdamW(oracle.parameters(), foreach=False))}
     out = []

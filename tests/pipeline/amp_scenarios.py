@@ -86,7 +86,7 @@ def run_amp_case(case: AmpCase, rank: int, world: int) -> dict:
     hp = dict(lr=1e-2, weight_decay=0.1)
     opt = fused_zero.AdamW(ddp.parameters(), **hp, ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
                            max_grad_norm=case.max_grad_norm, grad_scaler=scaler, on_nonfinite=case.on_nonfinite,
-                           backend="torch")
+                           _backend="torch")
     ref_params = [p for p in ref_model.parameters() if p.requires_grad]
     masters = ref_params if case.dtype == torch.float32 else \
         [p.detach().float().requires_grad_(True) for p in ref_params]
@@ -232,7 +232,7 @@ def run_user_clip(rank: int, world: int) -> dict:
             ref_ddp = DDP(ref_model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
             scaler, ref_scaler = (_scaler(), _scaler()) if with_scaler else (None, None)
             opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap="step", grad_reduce="all_reduce",
-                                   grad_scaler=scaler, backend="torch")
+                                   grad_scaler=scaler, _backend="torch")
             ref_opt = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=1e-2,
                                         foreach=False)
             _clip_loop(ref_model, ref_ddp, ref_opt, ref_scaler, rank, 4)
@@ -248,7 +248,7 @@ def run_user_clip(rank: int, world: int) -> dict:
         ddp = DDP(model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
         ref_ddp = DDP(ref_model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
         opt = fused_zero.SGD(ddp.parameters(), lr=0.05, momentum=0.9, ddp=ddp, overlap="step",
-                             grad_reduce="all_reduce", grad_scaler=(scaler := _scaler()), backend="torch")
+                             grad_reduce="all_reduce", grad_scaler=(scaler := _scaler()), _backend="torch")
         ref_opt = torch.optim.SGD([p for p in ref_model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
                                   foreach=False)
         _clip_loop(ref_model, ref_ddp, ref_opt, _scaler(), rank, 4, clip=False)
@@ -259,7 +259,7 @@ def run_user_clip(rank: int, world: int) -> dict:
     model = _model(torch.float32)
     ddp = DDP(model, bucket_cap_mb=0.002)
     opt = fused_zero.SGD(ddp.parameters(), lr=0.05, momentum=0.9, ddp=ddp, overlap="step", grad_scaler=_scaler(),
-                         backend="torch")
+                         _backend="torch")
     try:
         _clip_loop(model, ddp, opt, opt._engine.scaler.scaler, rank, 1, clip=False)
         out["bare-unscale-step-reduce_scatter"] = "no error"
@@ -271,7 +271,7 @@ def run_user_clip(rank: int, world: int) -> dict:
         model = _model(torch.float32)
         ddp = DDP(model, bucket_cap_mb=0.002)
         opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, grad_reduce=grad_reduce,
-                               backend="torch")
+                               _backend="torch")
         before = [p.detach().clone() for p in model.parameters()]
         try:
             _clip_loop(model, ddp, opt, None, rank, 1)

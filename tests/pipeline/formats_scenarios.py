@@ -1,5 +1,5 @@
 """Compact optimizer state against its oracle, on every rank: fused_zero with ``state_format`` "bf16" or
-"int8" (and ``stochastic_rounding``) next to DDP + torch.optim whose state is put through the same
+"8bit" (and ``master_weights="stochastic"``) next to DDP + torch.optim whose state is put through the same
 format after every step.
 
 The oracle's format is written in the tests, from the definition (kernel_reference.py: frexp, ldexp,
@@ -42,7 +42,7 @@ HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=5e-2, moment
 
 @dataclasses.dataclass(frozen=True)
 class FormatCase:
-    state_format: str = "int8"
+    state_format: str = "8bit"
     opt: str = "AdamW"
     overlap: str = "bucket"
     grad_reduce: str = "reduce_scatter"
@@ -97,9 +97,10 @@ def build(case: FormatCase):
     ids = grouping(case, len(trained))
     groups = [dict({"params": [trained[i] for i in g]}, **({"state_format": f} if f else {}))
               for g, f in zip(ids, case.groups)] if case.groups else ddp.parameters()
+    rounding = {"master_weights": "stochastic", "seed": case.seed} if case.stochastic else {}
     opt = getattr(fused_zero, case.opt)(groups, ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce,
-                                        state_format=case.state_format, stochastic_rounding=case.stochastic,
-                                        seed=case.seed, backend=case.backend, shard_group=case.shard, **hp)
+                                        state_format=case.state_format, **rounding, _backend=case.backend,
+                                        shard_group=case.shard, **hp)
     params = [p for p in ref.parameters() if p.requires_grad]
     params = [params[i] for g in ids for i in g]  # optimizer order: group by group
     work = [p.detach().float().requires_grad_(True) for p in params] if case.stochastic else params
@@ -132,7 +133,7 @@ def through_format(ref_opt, work, case: FormatCase, layout_blocks) -> None:
             flat = t.view(-1)
             if fmt == "bf16":
                 flat.copy_(flat.to(torch.bfloat16).float())
-            elif fmt == "int8":
+            elif fmt == "8bit":
                 for lo, hi in layout_blocks[pid]:
                     x = flat[lo:hi]
                     s = x.abs().max()

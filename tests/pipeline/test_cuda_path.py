@@ -135,7 +135,7 @@ def check_every_launch_under_the_guard(rank, world):
     outside = []
     for overlap in OVERLAPS:
         model, ddp, ref, ref_ddp = _models(as_view=True)
-        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, backend="torch",
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, _backend="torch",
                                max_grad_norm=1.0 if overlap == "step" else None)
         engine = opt._engine
         engine.side = GuardRecorder(engine.device)
@@ -319,9 +319,9 @@ def test_torch_backend_is_refused_on_cuda():
     construction instead of crashing at the first step."""
     from fused_zero.options import ShardingOptions
 
-    with pytest.raises(ValueError, match="backend='torch' is the CPU path"):
-        ShardingOptions(backend="torch").resolved_backend(torch.device("cuda", 0))
-    assert ShardingOptions(backend="torch").resolved_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="_backend='torch' is the CPU path"):
+        ShardingOptions(_backend="torch").resolved_backend(torch.device("cuda", 0))
+    assert ShardingOptions(_backend="torch").resolved_backend(torch.device("cpu")) == "torch"
     assert ShardingOptions().resolved_backend(torch.device("cuda", 0)) == "triton"
 
 

@@ -37,7 +37,7 @@ def _pair(as_view=True, **options):
         m.never.requires_grad_(False)
         models.append((m, DDP(m, bucket_cap_mb=0.0015, gradient_as_bucket_view=as_view)))
     (model, ddp), (ref_model, ref_ddp) = models
-    opt = fused_zero.AdamW(ddp.parameters(), lr=LR, ddp=ddp, backend="torch", **options)
+    opt = fused_zero.AdamW(ddp.parameters(), lr=LR, ddp=ddp, _backend="torch", **options)
     ref_opt = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=LR, foreach=False)
     return (model, ddp, opt), (ref_model, ref_ddp, ref_opt)
 

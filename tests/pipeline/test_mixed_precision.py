@@ -104,7 +104,7 @@ def scaler_misuse(rank, world):
         model = OddNet()
         model.never.requires_grad_(False)
         ddp = DDP(model)
-        return ddp, (lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, backend="torch", **kw))
+        return ddp, (lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, _backend="torch", **kw))
 
     scaler = torch.amp.GradScaler("cpu")
     x, _ = batch(0, 0, rank)

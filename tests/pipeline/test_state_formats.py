@@ -1,4 +1,4 @@
-"""Compact optimizer state (``state_format`` "bf16" and "int8", ``stochastic_rounding``) against its
+"""Compact optimizer state (``state_format`` "bf16" and "8bit", ``master_weights="stochastic"``) against its
 oracle in every overlap mode x both reductions at 1, 2 and 4 ranks (formats_scenarios.py), per param
 group in buckets that mix formats, the stochastic rounding's statistics and reproducibility,
 checkpoints in both forms with a format change, and the refusals. The kernels' side of the formats is
@@ -21,17 +21,17 @@ import fused_zero
 from fused_zero.update.formats import round_stochastic
 
 MODES = list(itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")))
-TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "int8") for o in ("AdamW", "SGD")
+TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "8bit") for o in ("AdamW", "SGD")
         for m, r in MODES]
-       + [FormatCase(state_format="int8", amsgrad=True, overlap="step"),
+       + [FormatCase(state_format="8bit", amsgrad=True, overlap="step"),
           FormatCase(state_format="fp32", stochastic=True, overlap="bucket"),
-          FormatCase(state_format="int8", stochastic=True, overlap="backward", grad_reduce="all_reduce"),
+          FormatCase(state_format="8bit", stochastic=True, overlap="backward", grad_reduce="all_reduce"),
           FormatCase(state_format="bf16", stochastic=True, opt="SGD", overlap="step"),
-          FormatCase(state_format="int8", overlap="backward", backend="triton"),
-          FormatCase(state_format="int8", opt="SGD", stochastic=True, overlap="step", backend="triton"),
+          FormatCase(state_format="8bit", overlap="backward", backend="triton"),
+          FormatCase(state_format="8bit", opt="SGD", stochastic=True, overlap="step", backend="triton"),
           FormatCase(state_format="bf16", amsgrad=True, overlap="bucket", grad_reduce="all_reduce", backend="triton")])
-ONE_AND_FOUR = [FormatCase(state_format=f, overlap=m, grad_reduce=r) for f in ("bf16", "int8") for m, r in MODES[::2]] \
-    + [FormatCase(state_format="int8", stochastic=True, overlap="step", grad_reduce="all_reduce")]
+ONE_AND_FOUR = [FormatCase(state_format=f, overlap=m, grad_reduce=r) for f in ("bf16", "8bit") for m, r in MODES[::2]] \
+    + [FormatCase(state_format="8bit", stochastic=True, overlap="step", grad_reduce="all_reduce")]
 
 
 def test_formats_two_ranks():
@@ -45,9 +45,9 @@ def test_formats_one_and_four_ranks(world):
     assert run_ranks(run_format_cases, world, ONE_AND_FOUR) == [names] * world
 
 
-SHARDED = [FormatCase(state_format="int8", overlap="bucket", shard=2),
+SHARDED = [FormatCase(state_format="8bit", overlap="bucket", shard=2),
            FormatCase(state_format="bf16", opt="SGD", overlap="backward", grad_reduce="all_reduce", shard=2),
-           FormatCase(state_format="int8", stochastic=True, overlap="step", shard=2)]
+           FormatCase(state_format="8bit", stochastic=True, overlap="step", shard=2)]
 
 
 def test_formats_in_shard_groups():
@@ -58,16 +58,16 @@ def test_formats_in_shard_groups():
 
 
 # per param group: parameter i in group i % k, so DDP's buckets (500 fp32 elements) mix the formats
-MIXED = ([FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap=m, grad_reduce=r, bucket_cap_mb=0.002)
+MIXED = ([FormatCase(groups=("8bit", "bf16", None), state_format="fp32", overlap=m, grad_reduce=r, bucket_cap_mb=0.002)
           for m, r in MODES]
-         + [FormatCase(opt="SGD", groups=("bf16", "int8"), overlap="step", bucket_cap_mb=0.002),
-            FormatCase(groups=("int8", None), state_format="bf16", stochastic=True, overlap="backward",
+         + [FormatCase(opt="SGD", groups=("bf16", "8bit"), overlap="step", bucket_cap_mb=0.002),
+            FormatCase(groups=("8bit", None), state_format="bf16", stochastic=True, overlap="backward",
                        bucket_cap_mb=0.002),
-            FormatCase(groups=("int8", "bf16", None), state_format="fp32", overlap="backward", backend="triton",
+            FormatCase(groups=("8bit", "bf16", None), state_format="fp32", overlap="backward", backend="triton",
                        bucket_cap_mb=0.002),
-            FormatCase(groups=(None, "int8"), state_format="bf16", amsgrad=True, overlap="step",
+            FormatCase(groups=(None, "8bit"), state_format="bf16", amsgrad=True, overlap="step",
                        grad_reduce="all_reduce", backend="triton", bucket_cap_mb=0.002),
-            FormatCase(groups=("int8", "bf16"), overlap="bucket")])  # DDP's smallest buckets
+            FormatCase(groups=("8bit", "bf16"), overlap="bucket")])  # DDP's smallest buckets
 
 
 def _mixed(rank, world, cases):
@@ -93,7 +93,7 @@ def test_formats_per_param_group(world):
 
 
 def _oracle_off(rank, world):
-    built = build(FormatCase(state_format="int8", steps=2))
+    built = build(FormatCase(state_format="8bit", steps=2))
     try:
         train(FormatCase(state_format="bf16", steps=2), rank, world, built=built)
     except AssertionError as e:
@@ -150,7 +150,7 @@ def test_stochastic_rounding_is_the_same_at_any_world_size():
 
 
 def _resume(rank, world):
-    case = FormatCase(state_format="int8", stochastic=True, overlap="step", steps=6)
+    case = FormatCase(state_format="8bit", stochastic=True, overlap="step", steps=6)
     whole = train(case, rank, world)
     final = [p.detach().float() for p in whole[0].parameters()]
     whole[2]._engine.close()
@@ -189,11 +189,11 @@ def stored(opt) -> list[torch.Tensor]:
 def _checkpoints(rank, world, path):
     import torch.distributed.checkpoint as dcp
     out = {}
-    int8 = FormatCase(state_format="int8", steps=3)
+    int8 = FormatCase(state_format="8bit", steps=3)
     built = train(int8, rank, world)
     opt = built[2]
     sd = opt.state_dict()
-    out["recorded"] = sd.get("fused_zero") == {"state_format": "int8"}
+    out["recorded"] = sd.get("fused_zero") == {"state_format": "8bit"}
     codes = [t.clone() for t in stored(opt)]
     opt.load_state_dict(sd)  # decoded, then encoded again: the same codes and scales
     out["same codes"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
@@ -210,13 +210,13 @@ def _checkpoints(rank, world, path):
     out["into fp32"] = all(torch.equal(back["state"][i][k], v) for i, e in sd["state"].items() for k, v in e.items())
     opt.load_state_dict(back)  # back at the layout it was saved in: the same codes (blocks follow the layout)
     out["back to int8"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
-    again = build(FormatCase(state_format="int8"))
+    again = build(FormatCase(state_format="8bit"))
     again[0].load_state_dict(built[0].state_dict())
     again[2].load_state_dict(back)
     # DCP holds the decoded values: loaded into a fresh int8 optimizer, the same codes as the
     # canonical dict gives there (``again``: the same layout); into bf16, the values rounded to bf16
     dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
-    third = build(FormatCase(state_format="int8"))
+    third = build(FormatCase(state_format="8bit"))
     third[0].load_state_dict(built[0].state_dict())
     target = third[2].sharded_state_dict()
     dcp.load(target, checkpoint_id=path)
@@ -234,7 +234,7 @@ def _checkpoints(rank, world, path):
 
 
 def test_checkpoints_in_both_forms(tmp_path):
-    for out in run_ranks(_checkpoints, 2, str(tmp_path / "int8")):
+    for out in run_ranks(_checkpoints, 2, str(tmp_path / "8bit")):
         assert all(v is True for v in out.values()), [(k, v) for k, v in out.items() if v is not True]
 
 
@@ -263,7 +263,7 @@ def _load_both_ways(rank, world, case, path, weights, canonical_sd):
     return same
 
 
-@pytest.mark.parametrize("case", [FormatCase(state_format="bf16"), FormatCase(state_format="int8"), MIXED[0]],
+@pytest.mark.parametrize("case", [FormatCase(state_format="bf16"), FormatCase(state_format="8bit"), MIXED[0]],
                          ids=lambda c: c.name())
 def test_dcp_loads_at_another_world_size(tmp_path, case):
     """Saved at 2 ranks, loaded at 1 and 4: what the canonical dict of the same run loads to."""
@@ -280,7 +280,7 @@ def _mixed_checkpoint(rank, world):
     built = train(case, rank, world)
     opt = built[2]
     sd = opt.state_dict()
-    out = {"recorded": sd.get("fused_zero") == {"state_format": ["int8", "bf16", "fp32"]}}
+    out = {"recorded": sd.get("fused_zero") == {"state_format": ["8bit", "bf16", "fp32"]}}
     codes = [t.clone() for t in stored(opt)]
     fp32 = build(dataclasses.replace(case, groups=(None, None, None)))
     fp32[0].load_state_dict(built[0].state_dict())
@@ -290,7 +290,7 @@ def _mixed_checkpoint(rank, world):
     out["fp32 stays fp32"] = "fused_zero" not in back and all("state_format" not in g for g in back["param_groups"])
     opt.load_state_dict(back)
     out["back, the same codes"] = all(torch.equal(a, b) for a, b in zip(codes, stored(opt)))
-    out["groups keep their formats"] = [g.get("state_format") for g in opt.param_groups] == ["int8", "bf16", None]
+    out["groups keep their formats"] = [g.get("state_format") for g in opt.param_groups] == ["8bit", "bf16", None]
     train(case, rank, world, built=built, start=4, steps=2)  # and it trains on as its oracle
     for b in (built, fp32):
         b[2]._engine.close()
@@ -313,21 +313,20 @@ def _refusals(rank, world):
     model = torch.nn.Linear(8, 4)
     ddp = DDP(model)
     out = [raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, state_format="fp8"), ValueError, "state_format"),
-           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True), ValueError,
-                  "stochastic_rounding rounds fp32 results to bf16"),
-           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, stochastic_rounding=True, master_weights=True),
-                  ValueError, "master_weights=True"),
-           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, seed=-1), ValueError, "seed"),
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, master_weights="stochastic"), ValueError,
+                  "master_weights='stochastic' rounds fp32 results to bf16"),
+           raises(lambda: fused_zero.AdamW(ddp.parameters(), ddp=ddp, master_weights="stochastic", seed=-1),
+                  ValueError, "seed"),
            # a param group's own format is checked when the group is added, before any DDP
            raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
                                             {"params": [model.bias], "state_format": "int4"}]),
-                  ValueError, "param group 1 sets state_format='int4': choose one of 'fp32', 'bf16', 'int8'"),
+                  ValueError, "param group 1 sets state_format='int4': choose one of 'fp32', 'bf16', '8bit'"),
            # and again at attach: a group's key edited since
            raises(lambda: _edited_then_attached(model, ddp), ValueError,
-                  "param group 0: state_format='fp8' is not one of 'fp32', 'bf16', 'int8'"),
+                  "param group 0: state_format='fp8' is not one of 'fp32', 'bf16', '8bit'"),
            raises(lambda: fused_zero.AdamW([{"params": [model.weight]},
-                                            {"params": [model.bias], "stochastic_rounding": True}]),
-                  ValueError, "pass stochastic_rounding=... to the optimizer")]
+                                            {"params": [model.bias], "master_weights": "stochastic"}]),
+                  ValueError, "pass master_weights=... to the optimizer")]
     return out
 
 

@@ -74,7 +74,7 @@ def configs():
     # 8-bit moments: codes and per-row scales written by the update, decoded and encoded again by the
     # reshard, the checkpoints and the single launch's arenas
     out += [dict(overlap=overlap, grad_reduce=reduce, scaler=False, param_sync="forward", find_unused=False,
-                 state_format="int8") for overlap, reduce in itertools.product(
+                 state_format="8bit") for overlap, reduce in itertools.product(
                      ("bucket", "backward", "step"), ("reduce_scatter", "all_reduce"))]
     # per param group formats: buckets of several parameters, each holding int8, bf16 and fp32 parts
     out += [dict(overlap=overlap, grad_reduce="reduce_scatter", scaler=False, param_sync="forward", find_unused=False,
@@ -108,12 +108,12 @@ def train(rank, cfg, checker, steps=STEPS, after_step=None):
     params = ddp.parameters()
     if cfg.get("mixed"):
         trained = [p for p in model.parameters() if p.requires_grad]
-        params = [{"params": trained[k::3], "state_format": f} for k, f in enumerate(("int8", "bf16", "fp32"))]
+        params = [{"params": trained[k::3], "state_format": f} for k, f in enumerate(("8bit", "bf16", "fp32"))]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if cfg["scaler"] else None
     edits = cfg["overlap"] == "step" and cfg["grad_reduce"] == "all_reduce"  # where param.grad edits count
     opt = fused_zero.AdamW(params, ddp=ddp, lr=1e-2, overlap=cfg["overlap"],
                            grad_reduce=cfg["grad_reduce"], param_sync=cfg["param_sync"], grad_scaler=scaler,
-                           backend=cfg.get("backend", "auto"), state_format=cfg.get("state_format", "fp32"),
+                           _backend=cfg.get("backend", "auto"), state_format=cfg.get("state_format", "fp32"),
                            shard_group=cfg.get("shard"), grad_reduce_dtype=cfg.get("reduce_dtype"))
     try:
         for step in range(1, steps + 1):
@@ -360,7 +360,7 @@ REVERTED = {
         [(engine_module, "_Iteration", _IterationKeepingNoCopy)], {**BASE, "reduce_dtype": torch.bfloat16},
         "freed while in use"),
     "8-bit block index on the host": (
-        [(formats, "_blocks", _blocks_on_the_host)], {**BASE, "state_format": "int8"},
+        [(formats, "_blocks", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
         ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/update/formats.py",
          "_blocks_on_the_host")),
     "pinned buffer refilled while in use": (
