@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .checkpoint import canonical, loading, serving, sharded
 from .options import STATE_FORMATS, ShardingOptions
 from .pipeline.engine import Engine
+from .pipeline.local import OVERRIDES, LocalModule, refuse_plain_module_in_group
 from .update.algorithms import AdamFamily, SGDAlgorithm
 
 # sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
@@ -112,7 +113,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
                                "shards one DDP's buckets, once")
-        _check_ddp(ddp)
+        ddp = _check_ddp(ddp)
         for name, value in options.items():
             if name in self._options and self._options[name] != value and self._options[name] != "auto":
                 raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
@@ -121,7 +122,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         _check_options(merged)
         self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
         kept = loading.check_at_attach(self, ddp, merged, self._kept)  # refuses on every rank, changing nothing
-        self._engine = Engine(self, ddp, self._algorithm, **merged)
+        # a plain module: the update reads param.grad in step() (pipeline/local.py)
+        self._engine = Engine(self, ddp, self._algorithm,
+                              **{**merged, **(OVERRIDES if isinstance(ddp, LocalModule) else {})})
         if kept is not None:
             loading.apply_at_attach(self._engine, kept)
         self._kept = None
@@ -178,6 +181,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if engine.iteration.invoked == 0 and canonical.is_state_init_step(engine):
             canonical.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
+        if engine.local and not engine.ddp.drive(engine):
+            return loss  # no parameter has a .grad: torch.optim's step does nothing either
         iteration = engine.iteration
         try:
             # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
@@ -309,10 +314,11 @@ def _not_attached(opt, what: str) -> str:
             "fused_zero.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare)")
 
 
-def _check_ddp(ddp) -> None:
-    """``ddp`` must be the DistributedDataParallel module itself: its buckets are what gets sharded."""
+def _check_ddp(ddp):
+    """``ddp`` must be the DistributedDataParallel module itself, whose buckets are what gets sharded;
+    or, in one process, a plain module, which is given a LocalModule's place (pipeline/local.py)."""
     if isinstance(ddp, DistributedDataParallel):
-        return
+        return ddp
     kind = f"{type(ddp).__module__}.{type(ddp).__qualname__}"
     inner = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
     if isinstance(inner, DistributedDataParallel):
@@ -320,10 +326,12 @@ def _check_ddp(ddp) -> None:
     elif "FullyShardedDataParallel" in kind or type(ddp).__name__.startswith("FSDP"):
         hint = "; FSDP shards parameters and optimizer state itself: fused_zero shards DDP's buckets"
     elif isinstance(ddp, torch.nn.Module):
-        hint = "; wrap the model first: ddp = DistributedDataParallel(model), then pass ddp"
+        refuse_plain_module_in_group(ddp)
+        return LocalModule(ddp)
     else:
         hint = ""
-    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module, got {kind}{hint}")
+    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module (or, in one process "
+                    f"without DDP, the nn.Module itself), got {kind}{hint}")
 
 
 def _guard_unattached(opt) -> list:

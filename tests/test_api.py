@@ -62,7 +62,7 @@ def construction_errors(rank, world):
            "max_grad_norm must be > 0")
     expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr")
     expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta")
-    expect(lambda: AdamW(params, ddp=model), TypeError, "got .*OddNet; wrap the model first")
+    expect(lambda: AdamW(params, ddp=model), TypeError, "plain .*OddNet while a process group of 2 ranks .*DistributedDataParallel\\(model\\)")
     expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding")
     expect(lambda: AdamW(params, ddp=ddp, capturable=True), ValueError, "capturable")
     expect(lambda: fused_zero.SGD(params, lr=0.1, nesterov=True, ddp=ddp), ValueError, "Nesterov")
