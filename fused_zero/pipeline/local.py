@@ -26,9 +26,10 @@ def refuse_plain_module_in_group(module: nn.Module) -> None:
     """A plain module while a process group of several ranks exists: each rank would step on its own
     gradients and the replicas would drift apart. Refused before anything changes."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
         raise TypeError(
-            f"ddp got a plain {type(module).__module__}.{type(module).__qualname__} while a process group of {dist.get_world_size()} "
-            "ranks is initialized: wrap the model first, ddp = DistributedDataParallel(model), and pass ddp "
+            f"ddp got a plain {kind} while a process group of {dist.get_world_size()} ranks is initialized: "
+            "wrap the model first, ddp = DistributedDataParallel(model), and pass ddp "
             "(a plain module trains in one process only, with no process group or a group of one rank)")
 
 

@@ -66,7 +66,8 @@ def _assert_same(ref, test, step, exact=True):
         if exact:
             assert torch.equal(a, b), f"step {step}, parameter {i}: max diff {(a - b).abs().max().item():.3e}"
         else:
-            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6, msg=lambda m: f"step {step}, parameter {i}: {m}")
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6,
+                                       msg=lambda m, i=i: f"step {step}, parameter {i}: {m}")
 
 
 def _pair(torch_cls, fused_cls, hparams, attach=False, **options):
@@ -144,3 +145,37 @@ def test_refusals_name_the_parameter():
     opt = fused_zero.AdamW(model.parameters(), ddp=model)
     with pytest.raises(RuntimeError, match="already attached"):
         opt.attach(model)
+
+
+@pytest.mark.parametrize("unscale_and_clip", [False, True], ids=["scaler", "nanogpt-unscale-clip"])
+def test_grad_scaler_matches_torch(unscale_and_clip):
+    """grad_scaler=scaler, stepped through scaler.step(opt): the same steps, skips (an inf loss at step
+    3) and scale as torch.optim under the same GradScaler; with nanoGPT's scaler.unscale_(opt) and
+    clip_grad_norm_ before scaler.step(opt), too."""
+    ref, ref_opt, test, _ = _pair(torch.optim.AdamW, fused_zero.AdamW, dict(lr=1e-2))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in range(2)]
+    opt = fused_zero.AdamW(_groups(test), lr=1e-2, ddp=test, grad_scaler=scalers[1])
+    for step in range(STEPS):
+        for model, o, scaler in ((ref, ref_opt, scalers[0]), (test, opt, scalers[1])):
+            for micro in range(2):
+                x, y = _batch(step, micro)
+                loss = nn.functional.mse_loss(model(x), y) * (float("inf") if (step, micro) == (3, 1) else 0.5)
+                scaler.scale(loss).backward()
+            if unscale_and_clip:
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        _assert_same(ref, test, step)
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert opt.skipped_steps == 1
+
+
+def test_triton_kernels():
+    """The fused Triton update (what runs on CUDA; here Triton's interpreter), close to torch.optim as in
+    the distributed parity tests (its arithmetic is not torch's op for op)."""
+    ref, ref_opt, test, opt = _pair(torch.optim.AdamW, fused_zero.AdamW, dict(lr=1e-2), backend="triton",
+                                    max_grad_norm=0.05)
+    for step, _ in zip(_train(ref, ref_opt, 3, clip=0.05), _train(test, opt, 3)):
+        _assert_same(ref, test, step, exact=False)
