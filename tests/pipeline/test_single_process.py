@@ -2,6 +2,7 @@
 ``ddp=model`` or ``opt.attach(model)`` trains as the same torch.optim class does on the same data,
 compared by torch.equal after every step (pipeline/local.py). In-process: nothing to spawn."""
 
+import doc_blocks
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,3 +180,15 @@ def test_triton_kernels():
                                     max_grad_norm=0.05)
     for step, _ in zip(_train(ref, ref_opt, 3, clip=0.05), _train(test, opt, 3)):
         _assert_same(ref, test, step, exact=False)
+
+
+def test_usage_block_runs():
+    """docs/usage.md's "One process, no DDP" block, as written, in this process (no process group)."""
+    [code] = [c for n, c in doc_blocks.python_blocks() if n.startswith("docs/usage.md,") and "ddp=model" in c]
+    model = nn.Sequential(nn.Linear(16, 8))
+    before = model[0].weight.detach().clone()
+    xs = [torch.randn(8, 16, dtype=torch.float32, device="cpu") for _ in range(3)]
+    ns = {"__name__": "__main__", "model": model, "loss_fn": nn.functional.cross_entropy,
+          "loader": [(x, x[:, :8].argmax(dim=1)) for x in xs]}
+    exec(compile(code, "docs/usage.md", "exec"), ns)
+    assert ns["opt"].state_dict()["state"][0]["step"] == 3 and not torch.equal(before, model[0].weight)
