@@ -2,8 +2,10 @@
 ``DDP(compiled)``, then ``opt.attach(ddp)``) and ``torch.compile(ddp)``, each against torch.optim on
 the same compiled DDP model, compared by torch.equal after every step, losses too. The steps cover
 DDP's bucket rebuild after the first iteration (fused_zero rebinds the parameters to new flat
-buffers under the compiled graph) and, with ``param_sync="forward"``, the forward pre-hooks that
-wait for the all-gathers inside the compiled module.
+buffers under the compiled graph; dropping the state's move there fails every case at step 1) and
+``param_sync="forward"``, whose all-gather waits are forward pre-hooks on the compiled modules (on
+gloo CPU the gathers are complete by the next forward, so this case would not catch a wait that
+never runs).
 
 backend="aot_eager": dynamo's graph capture, DDP's graph splitting at bucket boundaries
 (``optimize_ddp``) and AOT autograd's backward are what meets fused_zero's hooks and buffers; inductor
