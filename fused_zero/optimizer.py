@@ -3,8 +3,9 @@
 Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
 options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
 ``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
-sharded, or left out for ``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others
-are ShardingOptions' fields.
+sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
+``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
+fields.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         ``options`` are sharding options (options.OPTIONS) added to those given at
         construction; giving one both times with different values is an error. Attach once, to the
         DDP module that wraps exactly the optimizer's trainable parameters; on every rank (a state
-        loaded before attach is laid out here, once every rank agrees that it fits).
+        loaded before attach is laid out here, once every rank agrees that it fits). In one process
+        with no DDP, attach the plain module: the update then runs in ``step()`` (pipeline/local.py).
         """
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
