@@ -312,7 +312,8 @@ def _check_options(options: dict) -> None:
 def _not_attached(opt, what: str) -> str:
     return (f"{what} needs this {type(opt).__name__} attached to its DDP module, and it is not: call "
             "opt.attach(ddp) once the model is wrapped in DistributedDataParallel, or pass ddp= at "
-            "construction (Lightning: fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
+            "construction (one process without DDP: opt.attach(model); Lightning: "
+            "fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
             "fused_zero.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare)")
 
 
