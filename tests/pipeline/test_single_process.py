@@ -192,3 +192,18 @@ def test_usage_block_runs():
           "loader": [(x, x[:, :8].argmax(dim=1)) for x in xs]}
     exec(compile(code, "docs/usage.md", "exec"), ns)
     assert ns["opt"].state_dict()["state"][0]["step"] == 3 and not torch.equal(before, model[0].weight)
+
+
+def test_state_loaded_before_attach():
+    """nanoGPT's resume order kept: load_state_dict() before attach(model), then training on as
+    torch.optim does from the same state."""
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    ref, ref_opt, test, _ = _pair(torch.optim.AdamW, fused_zero.AdamW, hp)
+    for _ in _train(ref, ref_opt, 3):
+        pass
+    test.load_state_dict(ref.state_dict())
+    opt = fused_zero.AdamW(_groups(test), **hp)
+    opt.load_state_dict(ref_opt.state_dict())
+    opt.attach(test)
+    for step, _ in zip(_train(ref, ref_opt, 3, start=3), _train(test, opt, 3, start=3)):
+        _assert_same(ref, test, step)
