@@ -3,8 +3,9 @@
 Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
 options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
 ``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
-sharded, or left out for ``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others
-are ShardingOptions' fields.
+sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
+``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
+fields.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .checkpoint import canonical, loading, serving, sharded
 from .options import STATE_FORMATS, ShardingOptions, canonical_state_format, normalize_options
 from .pipeline.engine import Engine
+from .pipeline.local import OVERRIDES, LocalModule, refuse_plain_module_in_group
 from .update.algorithms import AdamFamily, SGDAlgorithm
 
 # sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
@@ -108,12 +110,13 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         ``options`` are sharding options (options.OPTIONS) added to those given at
         construction; giving one both times with different values is an error. Attach once, to the
         DDP module that wraps exactly the optimizer's trainable parameters; on every rank (a state
-        loaded before attach is laid out here, once every rank agrees that it fits).
+        loaded before attach is laid out here, once every rank agrees that it fits). In one process
+        with no DDP, attach the plain module: the update then runs in ``step()`` (pipeline/local.py).
         """
         if getattr(self, "_engine", None) is not None:
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
                                "shards one DDP's buckets, once")
-        _check_ddp(ddp)
+        ddp = _check_ddp(ddp)
         options = normalize_options(options, f"{type(self).__name__}.attach()", stacklevel=3)
         for name, value in options.items():
             if name in self._options and self._options[name] != value and self._options[name] != "auto":
@@ -123,7 +126,9 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         _check_options(merged)
         self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
         kept = loading.check_at_attach(self, ddp, merged, self._kept)  # refuses on every rank, changing nothing
-        self._engine = Engine(self, ddp, self._algorithm, **merged)
+        # a plain module: the update reads param.grad in step() (pipeline/local.py)
+        self._engine = Engine(self, ddp, self._algorithm,
+                              **{**merged, **(OVERRIDES if isinstance(ddp, LocalModule) else {})})
         if kept is not None:
             loading.apply_at_attach(self._engine, kept)
         self._kept = None
@@ -182,6 +187,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if engine.iteration.invoked == 0 and canonical.is_state_init_step(engine):
             canonical.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
             return loss
+        if engine.local and not engine.ddp.drive(engine):
+            return loss  # no parameter has a .grad: torch.optim's step does nothing either
         iteration = engine.iteration
         try:
             # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
@@ -306,14 +313,16 @@ def _check_options(options: dict) -> None:
 def _not_attached(opt, what: str) -> str:
     return (f"{what} needs this {type(opt).__name__} attached to its DDP module, and it is not: call "
             "opt.attach(ddp) once the model is wrapped in DistributedDataParallel, or pass ddp= at "
-            "construction (Lightning: fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
+            "construction (one process without DDP: opt.attach(model); Lightning: "
+            "fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
             "fused_zero.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare)")
 
 
-def _check_ddp(ddp) -> None:
-    """``ddp`` must be the DistributedDataParallel module itself: its buckets are what gets sharded."""
+def _check_ddp(ddp):
+    """``ddp`` must be the DistributedDataParallel module itself, whose buckets are what gets sharded;
+    or, in one process, a plain module, which is given a LocalModule's place (pipeline/local.py)."""
     if isinstance(ddp, DistributedDataParallel):
-        return
+        return ddp
     kind = f"{type(ddp).__module__}.{type(ddp).__qualname__}"
     inner = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
     if isinstance(inner, DistributedDataParallel):
@@ -321,10 +330,12 @@ def _check_ddp(ddp) -> None:
     elif "FullyShardedDataParallel" in kind or type(ddp).__name__.startswith("FSDP"):
         hint = "; FSDP shards parameters and optimizer state itself: fused_zero shards DDP's buckets"
     elif isinstance(ddp, torch.nn.Module):
-        hint = "; wrap the model first: ddp = DistributedDataParallel(model), then pass ddp"
+        refuse_plain_module_in_group(ddp)
+        return LocalModule(ddp)
     else:
         hint = ""
-    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module, got {kind}{hint}")
+    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module (or, in one process "
+                    f"without DDP, the nn.Module itself), got {kind}{hint}")
 
 
 def _guard_unattached(opt) -> list:

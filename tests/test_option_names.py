@@ -35,8 +35,8 @@ def test_master_weights_holds_the_three_ways_to_update_low_precision_parameters(
     with pytest.raises(ValueError, match="master_weights='nearest' is not one of None"):
         fused_zero.AdamW(_params(), master_weights="nearest")
     # seed only where stochastic rounding is chosen, naming the fix
-    with pytest.raises(ValueError, match="seed=3 seeds stochastic rounding, which is off .*pass "
-                                         "master_weights='stochastic' with it, or drop seed"):
+    with pytest.raises(ValueError, match=r"seed=3 seeds stochastic rounding, which is off .*pass "
+                                         r"master_weights='stochastic' with it, or drop seed"):
         fused_zero.AdamW(_params(), seed=3)
     opt, warned = _built(master_weights="stochastic", seed=3)
     assert not warned and opt._options == {"master_weights": "stochastic", "seed": 3}

@@ -33,6 +33,8 @@ ELSEWHERE = {
     ("docs/checkpointing.md", "if iter_num % eval_interval == 0 and master_process:"):
         "a fragment of nanoGPT's train.py; tests/checkpoint/test_rank0_state_dict.py runs its pattern "
         "(state_dict() on rank 0 alone after a rank-0-only evaluation)",
+    ("docs/usage.md", "ddp=model, lr=3e-4"):
+        "a process without a process group: tests/pipeline/test_single_process.py::test_usage_block_runs",
 }
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..options import ShardingOptions, collect_params
 from ..pipeline.strides import memory_order
+from ..pipeline.topology import world_and_rank
 from . import checks
 from .canonical import packed_groups, param_index
 from .checks import MASTER_KEY, StateDictError
@@ -108,7 +109,7 @@ def check_at_attach(opt, ddp, options: dict, kept: dict | None):
     sharding = ShardingOptions(**options)
     params, _ = collect_params(opt.param_groups, ddp)
     group = ddp.process_group
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = world_and_rank(group)
     target = Target(opt, opt._algorithm, params, [sharding.keeps_master(p.dtype) for p in params], world, rank, group,
                     params[0].device)
     error, plan = (None, None) if kept is None else _checked(target, kept)

@@ -27,6 +27,7 @@ from ..update.formats import DTYPES
 from . import hooks
 from .amp import ScalerLink
 from .arena import SingleLaunch
+from .local import LocalModule
 from .profiling import range_push
 from .reduction import Reduced, Reduction, UsedFlags
 from .registry import ShardRegistry
@@ -97,6 +98,7 @@ class Engine:
         self.options = ShardingOptions(**options)
         self.opt = optimizer
         self.ddp = ddp
+        self.local = isinstance(ddp, LocalModule)  # a plain module: step() hands the buckets (local.py)
         self.algo = algorithm
         self.overlap = self.options.overlap
         self.grad_reduce = self.options.grad_reduce
@@ -210,7 +212,8 @@ class Engine:
         it.invoked += 1
         it.last_invoked = bucket.is_last()
         if it.last_invoked:
-            self.policy.watch.arm()
+            if not self.local:  # handed from step(): the gradients are read as they are then
+                self.policy.watch.arm()
             if self.scaler is not None and self.scaler.enabled:
                 if self.overlap == "backward":
                     it.grad_scale = self.scaler.scale()

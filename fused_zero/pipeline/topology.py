@@ -90,7 +90,10 @@ class Topology:
 
     @staticmethod
     def build(group, shard_group, device: torch.device) -> Topology:
-        """The topology of DDP's ``group`` sharded by the ``shard_group`` option (module docstring)."""
+        """The topology of DDP's ``group`` sharded by the ``shard_group`` option (module docstring);
+        one rank and no group for a plain module in a process without a process group (local.py)."""
+        if group is None and not process_group_exists():
+            return Topology(None, 1, 0, None, 1, 0, None, 1, 0, ((0,),), ((0,),))
         group = group if group is not None else dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ddp_ranks = tuple(dist.get_process_group_ranks(group)) if world > 1 else (dist.get_rank(),)
@@ -135,6 +138,17 @@ class Topology:
                              f"position {shard_rank} in its member list; build the group from its ranks in order")
         return Topology(group, world, rank, shard_pg, S, shard_rank, replica_pg, R, replica,
                         tuple(members), global_ranks)
+
+
+def process_group_exists() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_and_rank(group) -> tuple[int, int]:
+    """``group``'s size and this rank in it; ``(1, 0)`` with no process group at all (a plain module)."""
+    if group is None and not process_group_exists():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _consecutive(size, world: int) -> list[tuple[int, ...]]:

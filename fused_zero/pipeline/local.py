@@ -1,0 +1,98 @@
+"""One process without DDP: a plain ``nn.Module`` trained by the same engine, at world size 1.
+
+Without DDP nothing hands the engine buckets during the backward, and nothing needs to: there is
+nothing to reduce. ``LocalModule`` stands where the DDP module would (the few attributes the engine
+reads of DDP), and ``step()`` hands the engine one bucket per parameter dtype, a flat copy of every
+``param.grad`` as it is then, before ending the iteration as ``overlap="step"`` does. So gradients
+accumulate in ``param.grad`` over any number of backwards, edits of ``.grad`` (clipping,
+``scaler.unscale_``) and late hyperparameters are honored, and a parameter whose ``.grad`` is None is
+skipped, as torch.optim does. The copy costs one pass over the gradients per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .strides import strided_view
+
+OVERRIDES = {"overlap": "step", "grad_reduce": "all_reduce"}
+"""The modes a local module runs in: the update reads ``param.grad`` at ``step()``; at world size 1
+the other modes differ only in when DDP's comm hook would have run, and there is no comm hook."""
+
+
+def refuse_plain_module_in_group(module: nn.Module) -> None:
+    """A plain module while a process group of several ranks exists: each rank would step on its own
+    gradients and the replicas would drift apart. Refused before anything changes."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        raise TypeError(
+            f"ddp got a plain {kind} while a process group of {dist.get_world_size()} ranks is initialized: "
+            "wrap the model first, ddp = DistributedDataParallel(model), and pass ddp "
+            "(a plain module trains in one process only, with no process group or a group of one rank)")
+
+
+class _Bucket:
+    """What the engine reads of a DDP ``GradBucket``."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, last: bool):
+        self._index, self._buffer, self._params, self._grads, self._last = index, buffer, params, grads, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list:
+        return self._params
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class LocalModule:
+    """The DDP module's place for a plain module: no process group, no comm hook to call.
+
+    ``find_unused_parameters`` is True so that the engine learns, every step, which parameters have a
+    ``.grad`` (``drive`` sets them): torch.optim skips the others."""
+
+    find_unused_parameters = True
+    static_graph = False
+    process_group = None
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._comm_hooks: list = []
+        self.engine = None
+
+    def register_comm_hook(self, state, hook) -> None:
+        self.engine = state
+
+    def drive(self, engine) -> bool:
+        """Hand ``engine`` this step's gradients, one bucket per dtype in registration order (the
+        engine's initial layout, so no state moves). False when no parameter has a ``.grad``: then
+        torch.optim's step does nothing, and so does this one."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for p in self.module.parameters():
+            if p in engine.pid_of:
+                by_dtype.setdefault(p.dtype, []).append(engine.pid_of[p])
+        if all(engine.params[pid].grad is None for pids in by_dtype.values() for pid in pids):
+            return False
+        for index, (dtype, pids) in enumerate(by_dtype.items()):
+            params = [engine.params[pid] for pid in pids]
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=engine.device)
+            grads, offset = [], 0
+            for pid, p in zip(pids, params):
+                view = strided_view(buffer[offset:offset + p.numel()], p)  # as DDP lays a gradient out
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                engine.reduction.used_local[pid] = p.grad is not None
+                grads.append(view)
+                offset += p.numel()
+            engine.on_bucket(_Bucket(index, buffer, params, grads, index == len(by_dtype) - 1))
+        return True
