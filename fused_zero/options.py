@@ -31,8 +31,9 @@ OPTIONS = (
     # (name, values, meaning): the one description of the keyword-only options. ShardingOptions'
     # docstring, `fused-zero options` and the README's table (tests/test_readme_claims.py) are
     # made from it.
-    ("ddp", "the DDP module",
-     "registers the comm hook at construction; or leave it out and `opt.attach(ddp)` later"),
+    ("ddp", "the DDP module (in one process without a process group: the plain module)",
+     "registers the comm hook at construction; or leave it out and `opt.attach(ddp)` later "
+     "([docs/usage.md](docs/usage.md#one-process-no-ddp))"),
     ("grad_reduce", '`"reduce_scatter"` (default), `"all_reduce"`',
      "ZeRO-2 traffic (each rank receives only its slice) or ZeRO-1 (`param.grad` then holds DDP's averaged "
      "gradient)"),
