@@ -2,7 +2,7 @@
 ``TrainingArguments``, per overlap mode, without training: ``overlap="backward"`` runs the update in the
 backward, before the Trainer's clip, so it must get ``max_grad_norm`` from the arguments; ``"step"`` is
 clipped through the Trainer's own ``clip_grad_norm_`` and gets nothing; ``"bucket"`` cannot clip and is
-refused. The Trainer runs in each mode in test_transformers.py."""
+refused; the default, ``"auto"``, resolves from the arguments. The Trainer runs in each mode in test_transformers.py."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -41,5 +41,13 @@ def test_no_clip_passes_nothing_on(overlap):
 def test_bucket_mode_with_a_clip_is_refused():
     from fused_zero.transformers import _settings
 
-    with pytest.raises(ValueError, match=r"max_grad_norm=0.3\) clips every step, which needs overlap='step'"):
-        _settings(args(), {})
+    with pytest.raises(ValueError, match=r"max_grad_norm=0.3\) \(a clip every step.*needs overlap='backward' or "
+                                         r"overlap='step' \(got overlap='bucket'\)"):
+        _settings(args(), {"overlap": "bucket"})
+
+
+def test_the_default_resolves_to_backward_with_the_clip():
+    from fused_zero.transformers import _settings
+
+    assert _settings(args(), {}) == {"overlap": "backward", "max_grad_norm": 0.3}
+    assert _settings(args(max_grad_norm=0.0), {}) == {"overlap": "bucket"}
