@@ -170,7 +170,8 @@ def run(rank: int, world: int, port: int, tmp: str) -> dict:
                 r"overlap='backward' or overlap='step' \(got overlap='bucket'\)"),
         refusal(clip_by_value, RuntimeError, "clip_grad_value_ is not supported"),
         refusal(lambda: attached(torch_opt=True), TypeError, "needs the fused_zero optimizer .*torch.optim"),
-        refusal(lambda: attached(unwrap=True), TypeError, "got torch.nn.modules.container.Sequential"),
+        refusal(lambda: attached(unwrap=True), TypeError,
+                "ddp got a plain torch.nn.modules.container.Sequential while a process group of 2 ranks"),
         refusal(lambda: attached({"overlap": "step", "grad_scaler": torch.amp.GradScaler("cpu")}), ValueError,
                 r"Accelerate steps it through no GradScaler \(mixed_precision='no'\)"),
     ]
