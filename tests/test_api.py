@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 from expect import raises
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.demo.spawn import _free_port
 from fused_zero.pipeline.layout import alignment
 
 PLAIN_IN_GROUP = "plain .*OddNet while a process group of 2 ranks .*DistributedDataParallel\\(model\\)"
@@ -128,6 +130,28 @@ def refused_second_optimizer(rank, world):
 
 def test_refused_second_optimizer_leaves_the_first_in_parity():
     assert run_ranks(refused_second_optimizer, 2) == [0.0, 0.0]
+
+
+def second_run_in_one_process(rank, world, port):
+    """Train, destroy the process group, init a new one and train again in the same process (a sweep,
+    a notebook, a test suite's kept ranks): the groups made for the first run (overlap="bucket"'s twins
+    of the shard group) must not be handed to the second, destroyed."""
+    out = []
+    for run in range(2):
+        if run:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        model, ddp = _ddp(bucket_cap_mb=0.0001)
+        ref_model, ref_ddp = _ddp(bucket_cap_mb=0.0001)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap="bucket")
+        ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2, foreach=False)
+        _train_pair(ddp, opt, ref_ddp, ref_opt, range(2), rank)
+        out.append(max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref_model.parameters())))
+    return out
+
+
+def test_a_second_process_group_in_one_process_trains():
+    assert run_ranks(second_run_in_one_process, 2, _free_port()) == [[0.0, 0.0]] * 2
 
 
 def step_misuse(rank, world):

@@ -73,7 +73,7 @@ def test_doc_blocks_run(tmp_path):
     """Every python block of the README and docs/*.md not in ELSEWHERE, on 2 gloo ranks, one spawn."""
     todo = [(n, c) for n, c in doc_blocks.python_blocks() if _elsewhere(n, c) is None]
     assert len(todo) >= 10, [n for n, _ in todo]
-    results = run_ranks(doc_blocks.run, 2, todo, str(tmp_path))
+    results = run_ranks(doc_blocks.run, 2, todo, str(tmp_path), fresh=True)
     for rank, outcomes in enumerate(results):
         failed = [f"{name} (rank {rank}):\n{outcome}" for name, outcome, _ in outcomes if outcome != "ok"]
         assert failed == [], "\n".join(failed)

@@ -197,6 +197,9 @@ class ShardServer:
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Every server of this process stopped as at exit, and forgotten: what a process that goes on to
+    other process groups (a test suite's kept ranks) calls before destroying the current ones."""
     for server in list(_servers.values()):
         server.stop()
+    _servers.clear()

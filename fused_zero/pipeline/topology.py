@@ -32,7 +32,9 @@ import torch.distributed as dist
 from . import collectives
 
 _GROUPS: dict[tuple, object] = {}
-"""Process groups made here, by their global ranks (``dist.new_group`` is a collective of every rank)."""
+"""Process groups made here, by their global ranks (``dist.new_group`` is a collective of every rank), under
+the default process group ``_GROUPS_WORLD`` holds (see ``_group``)."""
+_GROUPS_WORLD: list = [None]
 
 
 @dataclass(frozen=True)
@@ -220,10 +222,7 @@ def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine:
     collective of every rank, called for every group in the same order."""
     made = []
     for members in groups:
-        key = tuple(members)
-        if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(list(key))
-        made.append(_GROUPS[key])
+        made.append(_group(tuple(members), members))
     return made[mine]
 
 
@@ -249,8 +248,18 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
 def _twin(groups, mine: int):
     made = []
     for members in groups:
-        key = ("post-update", *sorted(members))
-        if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(list(key[1:]))
-        made.append(_GROUPS[key])
+        made.append(_group(("post-update", *sorted(members)), sorted(members)))
     return made[mine]
+
+
+def _group(key: tuple, members) -> object:
+    """The group made for ``key``, made now if it is not made yet. The groups belong to the default
+    process group they were made under: after ``destroy_process_group`` and a new
+    ``init_process_group`` (a second run in one process) they are made anew, not handed out destroyed."""
+    world = dist.group.WORLD
+    if _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = world
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(members))
+    return _GROUPS[key]

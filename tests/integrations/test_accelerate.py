@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
 def test_accelerate_attach(tmp_path):
     from accelerate_cases import run
 
-    results = run_ranks(run, 2, _free_port(), str(tmp_path))
+    results = run_ranks(run, 2, _free_port(), str(tmp_path), fresh=True)
     for r in results:
         assert r["distributed"] == "DistributedType.MULTI_CPU"
         assert r["plain"] == [], r["plain"]

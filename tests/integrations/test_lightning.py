@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
 def test_lightning_strategy(tmp_path):
     from lightning_cases import run
 
-    results = run_ranks(run, 2, str(tmp_path))
+    results = run_ranks(run, 2, str(tmp_path), fresh=True)
     for r in results:
         assert r["plain"] == [], r["plain"]
         assert r["accumulate"] == [], r["accumulate"]

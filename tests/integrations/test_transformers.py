@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 def test_trainer_with_fused_zero(tmp_path):
     from transformers_cases import CLIP, STEPS, run
 
-    results = run_ranks(run, 2, _free_port(), str(tmp_path))
+    results = run_ranks(run, 2, _free_port(), str(tmp_path), fresh=True)
     for r in results:
         assert r["distributed"] == "DistributedType.MULTI_CPU"
         assert r["stepping"] == ("fused_zero.optimizer", True), r["stepping"]

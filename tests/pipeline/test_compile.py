@@ -79,7 +79,7 @@ def compiled_matches_torch(rank, world):
 
 
 def test_torch_compile_trains_as_torch_optim():
-    for results in run_ranks(compiled_matches_torch, 2):
+    for results in run_ranks(compiled_matches_torch, 2, fresh=True):
         for what, options, layout_changes, differing in results:
             assert differing == [], f"torch.compile({what}) with {options}: differs at {differing[:4]}"
             assert layout_changes >= 1, f"torch.compile({what}) with {options}: DDP's buckets never rebuilt"
