@@ -369,33 +369,35 @@ REVERTED = {
 }
 
 
+@contextlib.contextmanager
+def patched(patches):
+    """``(owner, attribute, value)`` set for the block, put back after it whatever happens."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, value in patches:
+        setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+
+
 def check_reverted(rank, world):
     out = {}
     for name, (patches, cfg, culprit) in REVERTED.items():
-        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-        for owner, attr, value in patches:
-            setattr(owner, attr, value)
         try:
-            with StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
+            with patched(patches), StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
                 train(rank, cfg, checker, steps=3)
             out[name] = (checker.report(), culprit)
         except Exception:
             out[name] = (traceback.format_exc(), culprit)
-        finally:
-            for owner, attr, value in saved:
-                setattr(owner, attr, value)
     return out
 
 
 def check_across_reverted(rank, world):
-    saved = Reduction._across_replicas
-    Reduction._across_replicas = _across_without_waiting
-    try:
-        with StreamChecker() as checker:
-            train(rank, {**BASE, "shard": 2}, checker, steps=3)
-        return checker.report()
-    finally:
-        Reduction._across_replicas = saved
+    with patched([(Reduction, "_across_replicas", _across_without_waiting)]), StreamChecker() as checker:
+        train(rank, {**BASE, "shard": 2}, checker, steps=3)
+    return checker.report()
 
 
 # ---------------------------------------------------------------------- the checkpoint server, host run-ahead
@@ -491,20 +493,14 @@ def check_run_ahead(rank, world):
     (``where``: None for none) and the patches applied; a traceback where the run raised."""
     out = {}
     for name, (patches, cfg, where) in SERVING_RUNS.items():
-        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-        for owner, attr, value in patches:
-            setattr(owner, attr, value)
         try:
-            with StreamChecker() as checker:
+            with patched(patches), StreamChecker() as checker:
                 ahead = RunAhead(checker, rank, where or "none")
                 with ahead.installed():
                     train(rank, cfg, checker, steps=4, after_step=ahead.after_step)
             out[name] = "\n".join([checker.report()] + [REFUSALS.pop() for _ in list(REFUSALS)])
         except Exception:
             out[name] = traceback.format_exc()
-        finally:
-            for owner, attr, value in saved:
-                setattr(owner, attr, value)
     return out
 
 
