@@ -100,11 +100,11 @@ def _save_from_the_writing_ranks(accelerator, opt: _ShardedOptimizer) -> None:
     Each writing rank is served by the others' threads (checkpoint/serving.py): no rank may leave, and
     perhaps exit, while a writer still needs its shards. So ``save_state`` ends with
     ``wait_for_everyone()``."""
-    save = accelerator.save_state
+    save, whole = accelerator.save_state, opt.state_dict
 
     def saved_state() -> dict:
         if accelerator.project_configuration.save_on_each_node:
-            return opt.state_dict() if _writes_here(accelerator) else {}
+            return whole() if _writes_here(accelerator) else {}
         return opt._state_dict_written_by(0)  # the main process: global rank 0
 
     def save_state(*args, **kwargs):

@@ -247,7 +247,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
         ranks, once ``writer`` has been served (see canonical.written_by)."""
         if self._engine is None:
-            return self.state_dict()
+            return loading.kept_state_dict(self, self._kept)  # no communication: every rank has it
         return canonical.written_by(self._engine, self._peers, writer)
 
     def load_state_dict(self, state_dict: dict) -> None:

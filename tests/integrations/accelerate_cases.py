@@ -144,7 +144,8 @@ def launched(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 def checkpoint(rank: int, world: int, port: int, tmp: str) -> list[dict]:
-    """One optimizer step, then save_state: what it cost each rank (``measured_save``)."""
+    """One optimizer step, then save_state, by default and with ``save_on_each_node`` (this node's local
+    main process writes, rank 0 here): what each cost each rank (``measured_save``)."""
     launched(rank, world, port, tmp)
     accelerator = Accelerator(cpu=True)
     model, loader = model_and_data(world, hidden=1024)  # shards far above Accelerate's own small tensors
@@ -154,7 +155,10 @@ def checkpoint(rank: int, world: int, port: int, tmp: str) -> list[dict]:
     x, y = next(iter(loader))
     accelerator.backward(F.cross_entropy(model(x), y))
     opt.step()
-    return [measured_save(accelerator, opt, "state")]
+    saves = [measured_save(accelerator, opt, "state")]
+    accelerator.project_configuration.save_on_each_node = True
+    saves.append(measured_save(accelerator, opt, "state-each-node"))
+    return saves
 
 
 def run(rank: int, world: int, port: int, tmp: str) -> dict:
