@@ -7,7 +7,8 @@
 Accelerate builds the DDP module inside ``prepare`` (as it builds DeepSpeed's engine or FSDP there), so
 the attachment comes right after it. Then the usual loop works: ``accelerator.backward``,
 ``accelerator.accumulate`` (DDP's ``no_sync``; the wrapped optimizer skips non-sync steps),
-``accelerator.save_state`` / ``load_state``, ``accelerate launch``.
+``accelerator.save_state`` / ``load_state`` (the state gathered only to the rank that writes
+``optimizer.bin``: ``_save_from_the_writing_ranks``), ``accelerate launch``.
 
 Clipping, which Accelerate does to ``param.grad`` between the backward and ``step()``, is never lost:
 
@@ -74,7 +75,7 @@ def attach(accelerator, model, optimizer, **options) -> None:
     if scaler is not None and isinstance(optimizer, AcceleratedOptimizer):
         _report_skipped_steps(optimizer, opt)
     _unshare_saved_weights(accelerator, model)
-    _wait_after_saving(accelerator)
+    _save_from_the_writing_ranks(accelerator, opt)
 
 
 def _default_overlap(merged: dict) -> dict:
@@ -87,18 +88,43 @@ def _default_overlap(merged: dict) -> dict:
     return {"overlap": "backward" if merged.get("max_grad_norm") is not None else "step"}
 
 
-def _wait_after_saving(accelerator) -> None:
-    """``save_state`` runs on every rank, and each rank's ``optimizer.state_dict()`` is served by the
-    others (checkpoint/serving.py): no rank may leave, and perhaps exit, while another still needs its
-    shards. So ``save_state`` ends with ``wait_for_everyone()``."""
-    save = accelerator.save_state
+def _save_from_the_writing_ranks(accelerator, opt: _ShardedOptimizer) -> None:
+    """``save_state`` runs on every rank and asks every rank for ``optimizer.state_dict()``, but
+    ``optimizer.bin`` is written from the main process alone (from each node's local main process with
+    ``ProjectConfiguration(save_on_each_node=True)``: ``accelerate.utils.save``), and the other ranks'
+    dicts are dropped. So within ``save_state`` the state is gathered to the writing ranks alone:
+    ``state_dict(to=0)`` (one whole dict, W - 1 transfers), or on each node's local main process
+    (``to=None``) with ``save_on_each_node``; the other ranks' optimizer state is ``{}``. ``load_state``
+    reads the written file on every rank, as before.
+
+    Each writing rank is served by the others' threads (checkpoint/serving.py): no rank may leave, and
+    perhaps exit, while a writer still needs its shards. So ``save_state`` ends with
+    ``wait_for_everyone()``."""
+    save, whole = accelerator.save_state, opt.state_dict
+
+    def saved_state() -> dict:
+        if accelerator.project_configuration.save_on_each_node:
+            return whole() if _writes_here(accelerator) else {}
+        return opt._state_dict_written_by(0)  # the main process: global rank 0
 
     def save_state(*args, **kwargs):
-        out = save(*args, **kwargs)
+        opt.state_dict = saved_state  # what AcceleratedOptimizer.state_dict() returns, within save_state only
+        try:
+            out = save(*args, **kwargs)
+        finally:
+            del opt.state_dict
         accelerator.wait_for_everyone()
         return out
 
     accelerator.save_state = save_state
+
+
+def _writes_here(accelerator) -> bool:
+    """Whether this rank writes ``save_state``'s files (``accelerate.utils.save``): the main process, or
+    with ``save_on_each_node`` each node's local main process."""
+    if accelerator.project_configuration.save_on_each_node:
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process
 
 
 def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
@@ -264,9 +290,12 @@ def _unshare_saved_weights(accelerator, ddp) -> None:
     """fused_zero's parameters are views into one flat buffer per bucket. safetensors, which
     ``save_state`` uses by default, takes tensors sharing a storage for tied weights: it would save one
     of them and drop the rest, and refuses to load into such a model. So the saved weights become
-    host copies, and a load reads the module's state dict as copies too (only while it loads)."""
+    host copies on the ranks that write them (``_writes_here``; the other ranks' weights are dropped
+    unwritten), and a load reads the module's state dict as copies too (only while it loads)."""
 
     def before_save(models, weights, output_dir):
+        if not _writes_here(accelerator):
+            return
         for model, state in zip(models, weights):
             if model is ddp or model is ddp.module:
                 for key, value in state.items():

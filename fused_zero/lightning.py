@@ -17,9 +17,12 @@ refused here, at setup:
   clips the unscaled gradients. ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and 32-bit need no
   scaler.
 - ``accumulate_grad_batches`` works through Lightning's own ``no_sync``; LR schedulers as usual.
-- Checkpoints: Lightning builds the checkpoint dict on every rank and writes it from rank 0, so this
-  strategy asks for ``optimizer.state_dict()`` on every rank. That is not a collective (each call is
-  served by the other ranks' threads, checkpoint/serving.py); every rank simply gets the whole dict.
+- Checkpoints: Lightning builds the checkpoint dict on every rank and writes it from global rank 0
+  alone (``Strategy.save_checkpoint``: ``checkpoint_io`` runs where ``is_global_zero``); the other
+  ranks' dicts go only through the ``on_save_checkpoint`` hooks. So the optimizer's state is gathered
+  to rank 0 alone (``state_dict(to=0)``: one whole dict, W - 1 transfers) and the other ranks' entry
+  in ``optimizer_states`` is ``{}``, as Lightning's own ``optimizer_state`` gives sharded optimizers
+  (torch's ZeroRedundancyOptimizer). A resume loads the file rank 0 wrote, on every rank.
 
 Needs the ``lightning`` extra: ``pip install "fused-zero[lightning]"``.
 """
@@ -158,7 +161,8 @@ class FusedZeroStrategy(DDPStrategy):
         plugin.clip_gradients = clip_gradients
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """The optimizer's canonical state dict, on every rank, as Lightning asks for it; no collective:
-        each rank's call is served by the other ranks' threads (checkpoint/serving.py)."""
-        return getattr(optimizer, "_optimizer", optimizer).state_dict()
+        """The optimizer's canonical state dict on global rank 0, the rank whose checkpoint is written
+        (module docstring), gathered there alone; ``{}`` on the other ranks, once rank 0 has been served.
+        A subclass whose ``save_checkpoint`` writes from other ranks must gather to them instead."""
+        return getattr(optimizer, "_optimizer", optimizer)._state_dict_written_by(0)
 

@@ -242,6 +242,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             return loading.kept_state_dict(self, self._kept)
         return canonical.state_dict(self._engine, self._peers, to)
 
+    def _state_dict_written_by(self, writer: int) -> dict:
+        """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
+        alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
+        ranks, once ``writer`` has been served (see canonical.written_by)."""
+        if self._engine is None:
+            return loading.kept_state_dict(self, self._kept)  # no communication: every rank has it
+        return canonical.written_by(self._engine, self._peers, writer)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
         checking all of it: a refused dict raises and changes nothing. Load the model's weights first.

@@ -64,6 +64,20 @@ def state_dict(engine, peers, to: int | None = None) -> dict | None:
     return peers.state_dict(to, lambda: StateDictBuilder(engine))
 
 
+def written_by(engine, peers, writer: int) -> dict:
+    """``state_dict(to=)`` the DDP-group rank of global rank ``writer``, for a framework that builds its
+    checkpoint on every rank and writes it from ``writer`` alone: one full dict, and one transfer per
+    other rank, instead of one dict on every rank and W(W - 1) transfers. The other ranks get ``{}``
+    (a dict, as such frameworks expect; Lightning gives the same to sharded optimizers of its own)."""
+    to = engine.topology.group_rank(writer)
+    if to is None:
+        raise ValueError(f"the checkpoint is written from global rank {writer}, which is not in the optimizer's "
+                         f"process group (global ranks {sorted(r for m in engine.topology.global_ranks for r in m)}"
+                         "): that rank cannot gather the state. Build DDP over a process group that includes it")
+    sd = state_dict(engine, peers, to)
+    return {} if sd is None else sd
+
+
 def sharded_slices(engine) -> list:
     """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
     return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in shard.names]

@@ -90,6 +90,14 @@ class Topology:
                 return replica, members.index(rank)
         raise ValueError(f"rank {rank} is not in DDP's group of {self.world}")
 
+    def group_rank(self, global_rank: int) -> int | None:
+        """DDP-group rank of global rank ``global_rank`` (None where it is not in DDP's group): frameworks
+        name the rank that writes a checkpoint by its global rank, ``state_dict(to=)`` by its group rank."""
+        for members, ranks in zip(self.shards, self.global_ranks):
+            if global_rank in ranks:
+                return members[ranks.index(global_rank)]
+        return None
+
     @staticmethod
     def build(group, shard_group, device: torch.device) -> Topology:
         """The topology of DDP's ``group`` sharded by the ``shard_group`` option (module docstring);

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from expect import refusal
+from memory import peak_bytes, state_bytes, tensor_bytes
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,9 +26,9 @@ import fused_zero.accelerate
 ACCUMULATE, STEPS, BATCH = 2, 6, 4
 
 
-def model_and_data(world):
+def model_and_data(world, hidden=33):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 5))
+    model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 17), nn.Tanh(), nn.Linear(17, 5))
     g = torch.Generator().manual_seed(7)
     n = STEPS * ACCUMULATE * BATCH * world
     data = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
@@ -102,6 +103,28 @@ def train(world, fused: bool, *, clip=None, query=None, save_at=None, load=None,
     return record, returned, accelerator
 
 
+def measured_save(accelerator, opt, path) -> dict:
+    """``accelerator.save_state(path)`` and what it cost this rank: the peak of torch's allocations
+    during it, the tensor bytes of the optimizer states Accelerate got to save (written on the main
+    process, dropped elsewhere), and ``memory.state_bytes``."""
+    import accelerate.checkpointing
+
+    held, save = [], accelerate.checkpointing.save
+
+    def recorded(obj, f, **kwargs):
+        if os.path.basename(f).startswith("optimizer"):
+            held.append(tensor_bytes(obj))
+        return save(obj, f, **kwargs)
+
+    accelerate.checkpointing.save = recorded
+    try:
+        peak = peak_bytes(lambda: accelerator.save_state(path))
+    finally:
+        accelerate.checkpointing.save = save
+    assert held, "save_state saved no optimizer state"
+    return {"peak": peak, "held": sum(held), **state_bytes(opt.optimizer)}
+
+
 def differences(ours, ref, exact=True):
     assert len(ours) == len(ref) > 0, (len(ours), len(ref))
     out = []
@@ -113,11 +136,33 @@ def differences(ours, ref, exact=True):
 
 
 
-def run(rank: int, world: int, port: int, tmp: str) -> dict:
+def launched(rank: int, world: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()  # the spawner's; Accelerate initializes its own from the launcher's env
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(tmp)
+
+
+def checkpoint(rank: int, world: int, port: int, tmp: str) -> list[dict]:
+    """One optimizer step, then save_state, by default and with ``save_on_each_node`` (this node's local
+    main process writes, rank 0 here): what each cost each rank (``measured_save``)."""
+    launched(rank, world, port, tmp)
+    accelerator = Accelerator(cpu=True)
+    model, loader = model_and_data(world, hidden=1024)  # shards far above Accelerate's own small tensors
+    opt = fused_zero.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    fused_zero.accelerate.attach(accelerator, model, opt)
+    x, y = next(iter(loader))
+    accelerator.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    saves = [measured_save(accelerator, opt, "state")]
+    accelerator.project_configuration.save_on_each_node = True
+    saves.append(measured_save(accelerator, opt, "state-each-node"))
+    return saves
+
+
+def run(rank: int, world: int, port: int, tmp: str) -> dict:
+    launched(rank, world, port, tmp)
     out = {}
     ref, _, _ = train(world, fused=False)
     ours, _, acc = train(world, fused=True, options={"overlap": "bucket"})

@@ -18,6 +18,7 @@ from expect import refusal
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from memory import peak_bytes, state_bytes, tensor_bytes
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,10 +29,11 @@ BATCH = 4
 
 
 class Net(pl.LightningModule):
-    def __init__(self, optimizer: str = "fused", scheduler: bool = False, inject: int | None = None, **opt_kwargs):
+    def __init__(self, optimizer: str = "fused", scheduler: bool = False, inject: int | None = None, hidden: int = 33,
+                 **opt_kwargs):
         super().__init__()
         torch.manual_seed(0)
-        self.l1, self.l2, self.l3 = nn.Linear(8, 33), nn.Linear(33, 17), nn.Linear(17, 5)
+        self.l1, self.l2, self.l3 = nn.Linear(8, hidden), nn.Linear(hidden, 17), nn.Linear(17, 5)
         self.optimizer, self.scheduler, self.opt_kwargs = optimizer, scheduler, opt_kwargs
         self.inject = inject  # the batch at which the last rank's loss (so its gradient) turns infinite
 
@@ -93,6 +95,24 @@ def fit(model, strategy, world, tmp, *, batches, epochs=1, callbacks=(), ckpt_pa
     return record.params
 
 
+class MeasuredCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint recording what each save costs this rank: the peak of torch's allocations during
+    it, the tensor bytes of the optimizer states in the checkpoint dict Lightning built here (written
+    on rank 0, dropped elsewhere), and ``memory.state_bytes``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.saves, self._held = [], None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._held = tensor_bytes(checkpoint["optimizer_states"])
+
+    def _save_checkpoint(self, trainer, filepath):
+        save = super()._save_checkpoint
+        peak = peak_bytes(lambda: save(trainer, filepath))
+        self.saves.append({"peak": peak, "held": self._held, **state_bytes(trainer.optimizers[0])})
+
+
 BF16_ULP = 2.0 ** -8  # relative spacing of bf16 values
 
 
@@ -113,10 +133,23 @@ def differences(ours, ref, rank, exact=True, ulps=None):
 
 
 
-def run(rank: int, world: int, tmp: str) -> dict:
-    # what a launcher (torchrun, Lightning's own) sets; the process group is already initialized
+def launched(rank: int, world: int) -> None:
+    """What a launcher (torchrun, Lightning's own) sets; the process group is already initialized."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
     warnings.filterwarnings("ignore")
+
+
+def checkpoint(rank: int, world: int, tmp: str) -> list[dict]:
+    """One training batch, then ModelCheckpoint's save: what it cost each rank (MeasuredCheckpoint)."""
+    launched(rank, world)
+    measured = MeasuredCheckpoint(dirpath=os.path.join(tmp, "ckpt"))
+    fit(Net(hidden=1024), FusedZeroStrategy(), world, tmp, batches=1, callbacks=[measured])  # shards far above
+    # Lightning's own small tensors
+    return measured.saves
+
+
+def run(rank: int, world: int, tmp: str) -> dict:
+    launched(rank, world)
     out = {}
     steps = 6
 
