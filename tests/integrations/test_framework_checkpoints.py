@@ -35,7 +35,7 @@ def checkpoint_in_both(rank: int, world: int, port: int, tmp: str) -> dict:
 
 
 def test_only_the_writing_rank_holds_the_whole_state(tmp_path):
-    results = run_ranks(checkpoint_in_both, WORLD, _free_port(), str(tmp_path))
+    results = run_ranks(checkpoint_in_both, WORLD, _free_port(), str(tmp_path), fresh=True)
     wrong = []
     for name in FRAMEWORKS:
         for rank, result in enumerate(results):
