@@ -18,7 +18,8 @@ from formats_scenarios import HPARAMS, FormatCase, build, run_format_cases, trai
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.update.formats import round_stochastic
+from fused_zero.kernels import row_table
+from fused_zero.update.formats import BlockTable, round_stochastic
 
 MODES = list(itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")))
 TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "8bit") for o in ("AdamW", "SGD")
@@ -332,3 +333,26 @@ def _refusals(rank, world):
 
 def test_refusals():
     assert all(v.startswith("ok") for v in run_ranks(_refusals, 1)[0])
+
+
+def test_the_block_table_is_the_row_tables_blocks():
+    """formats.BlockTable, cached with a part's row table, gives every slot the block a row-by-row fill
+    of that table gives (-1 where no row covers it), on row tables with gaps before, between and after
+    the rows, ragged and split rows, rows listed out of slot order, and none; and its host rows are the
+    table's. Overlapping rows are refused where the table is built."""
+    cases = [([(3, 5000, 1, 7, 0, 0), (5010, 70, 5001, 5001, 1, 0), (6001, 300, 6000, 6000, 2, 9)], 6400),
+             ([(0, 4096, 0, 0, 0, 0), (4096, 1, 4096, 4096, 1, 0)], 4097),  # back to back, no gap at all
+             ([(700, 33, 0, 0, 1, 0), (64, 600, 40, 40, 0, 5)], 800),  # out of slot order
+             ([], 96)]
+    for pieces, size in cases:
+        table = row_table(pieces)
+        fill = torch.full((size,), -1, dtype=torch.int64, device="cpu")
+        for so, n, block in table[:, [0, 1, 7]].tolist():
+            fill[so:so + n] = block
+        blocks = BlockTable(table, size, torch.device("cpu"))
+        assert torch.equal(blocks.slots(), fill), (pieces, (blocks.slots() != fill).nonzero()[:4].tolist())
+        assert blocks.slots() is blocks.slots() and blocks.count == table.shape[0]
+        assert blocks.rows == [tuple(r) for r in table[:, [0, 1, 2, 3, 4, 5, 7]].tolist()]
+    raises(lambda: BlockTable(row_table([(0, 100, 0, 0, 0), (90, 20, 100, 100, 1)]), 200, torch.device("cpu")),
+           ValueError, "rows overlap or reach past the 200 slots")
+    raises(lambda: BlockTable(row_table([(0, 100, 0, 0, 0)]), 99, torch.device("cpu")), ValueError, "99 slots")
