@@ -32,27 +32,44 @@ def decode8(code: torch.Tensor, signed: bool) -> torch.Tensor:
     return torch.where((c >> 7) == 1, -value, value) if signed else value  # negation: the sign bit
 
 
+_DECODE_TABLES = {signed: decode8(torch.arange(256, dtype=torch.uint8, device="cpu"), signed)
+                  for signed in (True, False)}
+
+
+def decode_table(signed: bool) -> torch.Tensor:
+    """``decode8`` of every code, a host fp32 table of 256: the CPU update decodes by ``index_select``
+    into it, one pass instead of decode8's dozen (its values are decode8's, bit for bit)."""
+    return _DECODE_TABLES[signed]
+
+
 def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The kernels' recipe (kernels/formats.py), each ``where`` written as a mask of sign bits and
+    every op after the first few in place: the same codes for every bit pattern of ``y`` (NaN and
+    overflow included), at half the passes over memory of fresh temporaries. ``e`` lies within
+    [-368, 143], so ``-e >> 31`` is -1 exactly where ``e >= 1``."""
     bits = y.contiguous().view(torch.int32)
     mag = bits & 0x7FFFFFFF
-    if signed:
-        r = mag + 0x7FFFF + ((mag >> 20) & 1)
-        e = (r >> 23) - 112
-        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
-        code = torch.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
-    else:
-        r = mag + 0x7FFFF + ((mag >> 20) & 1)
-        e = (r >> 23) - 96
-        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), torch.where(mag != 0, 8, 0))
+    r = (mag >> 20).bitwise_and_(1).add_(mag).add_(0x7FFFF)  # round to 3 bits, ties to even
+    low = (r >> 20).bitwise_and_(7)
+    e = r.__irshift__(23).sub_(112 if signed else 96)
+    normal = e.neg().__irshift__(31)  # -1 where e >= 1
+    code = e.__ilshift__(3).bitwise_or_(low).bitwise_and_(normal)  # 0 where e < 1
+    if signed:  # the sign bit where the code is not 0
+        code.bitwise_or_((bits >> 31).bitwise_and_(128).bitwise_and_(code.neg().__irshift__(31)))
+    else:  # 8 (the smallest code) where e < 1 but y is not 0
+        code.bitwise_or_(mag.neg_().__irshift__(31).bitwise_and_(8).bitwise_and_(normal.bitwise_not_()))
     return code.to(torch.uint8)
 
 
 def encode_blocks(x: torch.Tensor, local: torch.Tensor, k: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks encoded as the kernels' ``store_moment`` encodes one (``local``: each element's block,
-    0..k-1): every block's scale is its largest magnitude, its codes each element over that scale."""
+    0..k-1): every block's scale is its largest magnitude, its codes each element over that scale;
+    a block whose scale is 0 or NaN gets +0.0 there (the kernels' ``where(s > 0, x / s, 0.0)``, made by
+    masking the quotient's bits per block: no per-element compare or ``where``)."""
     s = torch.zeros(k, dtype=torch.float32, device=x.device).scatter_reduce_(0, local, x.abs(), "amax")
-    per = s.index_select(0, local)  # the same values as ``s[local]``, without advanced indexing's cost
-    y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
+    ok = s > 0
+    y = x / torch.where(ok, s, 1.0).index_select(0, local)
+    y.view(torch.int32).bitwise_and_(ok.to(torch.int32).neg_().index_select(0, local))
     return encode8(y, signed), s
 
 
