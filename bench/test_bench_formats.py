@@ -20,6 +20,9 @@ parameter dtype (fp32 or bf16p-fp32), from the same run.
                     norms and biases (every bucket mixes the two: one state part each)
 
     pytest bench/test_bench_formats.py --benchmark-json out.json
+
+``FUSED_ZERO_BENCH_FORMATS=fp32,int8`` runs only those formats (and each one's fp32 baseline): the
+ranks build and time every format they run, whatever ``-k`` selects.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ FORMATS = {  # name: (parameter dtype, options)
     "bf16p-int8-sr": (torch.bfloat16, {"master_weights": "stochastic", "state_format": "8bit"}),
     "int8-matrices": (torch.float32, {"matrices": "8bit"}),
 }
+_ONLY = os.environ.get("FUSED_ZERO_BENCH_FORMATS")
+if _ONLY:
+    _wanted = set(_ONLY.split(","))
+    _wanted |= {"fp32" if FORMATS[f][0] == torch.float32 else "bf16p-fp32" for f in _wanted}
+    FORMATS = {name: v for name, v in FORMATS.items() if name in _wanted}
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 30 if CUDA else 12))
 WARMUP = 3

@@ -23,6 +23,7 @@ import torch
 
 from ..kernels import Segments, row_table
 from ..kernels.segments import VEC, VECTOR
+from ..update.formats import BlockTable
 from .shard import BucketShard
 
 ARENA_ALIGN = 32
@@ -73,6 +74,7 @@ class FormatState:
         scales: 8-bit moments' scales of every part back to back, in arena order, as the launch numbers
             the rows of its table (``part.scales[name]`` are views); else empty.
         parts: each shard's part of this format, or None; ``state_at`` / ``scale_at`` where each starts.
+        size: slots of each state tensor.
     """
 
     def __init__(self, shards: list[BucketShard], fmt: str, device: torch.device):
@@ -86,6 +88,7 @@ class FormatState:
             if part is not None:
                 n_state += _aligned(part.size)
                 n_scale += part.table.shape[0]
+        self.size = n_state
         first = next(p for p in self.parts if p is not None)
         self.state = {name: torch.zeros(n_state, dtype=t.dtype, device=device) for name, t in first.state.items()}
         self.scales = {name: torch.zeros(n_scale, dtype=torch.float32, device=device) for name in first.scales}
@@ -131,7 +134,8 @@ class Launch:
     Attributes:
         fs: the arena's FormatState this launch updates.
         rows, segments: the update's rows over all parts (arena state and parameter offsets, gradient
-            offsets from the base bucket buffer); ``segments`` on the device (Triton backend only).
+            offsets from the base bucket buffer); ``segments`` on the device (Triton backend only);
+            ``table`` their host row table, ``blocks`` its 8-bit blocks (torch backend only).
         norm_rows, norm_segments: the rows whose gradients count towards the global norm (empty but in
             the first format's launch).
         base: index of the shard whose buffer is the gradients' base (Triton backend).
@@ -168,9 +172,11 @@ class Launch:
                     if g + n > buf.numel():
                         raise ValueError(f"a row reaches element {g + n} of a bucket of {buf.numel()}")
                     out.append((so + s, n, po + p, go + g, pid, elem))
-        self.cuts_like_shards = not fs.scales or _cuts_like_shards(fs, self.rows)
+        self.table = row_table(self.rows)
+        self.cuts_like_shards = not fs.scales or _cuts_like_shards(fs, self.table)
         # gradient offsets span several allocations: bounds are checked above, per bucket
         triton = backend == "triton"
+        self.blocks = None if triton else BlockTable(self.table, fs.size, arena.params.device)
         self.segments = Segments.build(self.rows, grad_across_allocations=True, upload=upload) if triton else None
         self.norm_segments = Segments.build(self.norm_rows, grad_across_allocations=True, upload=upload) \
             if triton and self.norm_rows else None
@@ -185,12 +191,12 @@ class Launch:
         return BucketGrads(buffers, self.grad_at)
 
 
-def _cuts_like_shards(fs: FormatState, rows: list) -> bool:
+def _cuts_like_shards(fs: FormatState, combined: torch.Tensor) -> bool:
     """8-bit moments' scales are numbered by the launch's rows: the launch's table must cut every part
     exactly as the part's own table does. It does when every offset keeps its alignment modulo VEC,
     which the arena's 32-element and the allocators' 64-byte (CPU) and 512-byte (CUDA) alignments
-    give; bucket buffers that break it get one launch per bucket instead."""
-    combined = row_table(rows)
+    give; bucket buffers that break it get one launch per bucket instead (``combined``: the launch's
+    row table)."""
     parts = [(p, at) for p, at in zip(fs.parts, fs.scale_at) if p is not None]
     if combined.shape[0] != sum(p.table.shape[0] for p, _ in parts):
         return False

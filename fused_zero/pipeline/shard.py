@@ -43,7 +43,8 @@ class Part:
         state: state name -> tensor of ``size`` slots in that format (fp32 ``"master"``).
         scales: 8-bit moments' fp32 scales, one per row of ``table``; else empty.
         rows: host kernel pieces indexing ``state`` (the shard's parameter and gradient offsets);
-            ``table`` their host row table (kernels.row_table); ``segments`` the same on the device.
+            ``table`` their host row table (kernels.row_table); ``segments`` the same on the device;
+            ``blocks`` its 8-bit blocks (formats.BlockTable), derived once with it.
         spans: ``(region_off, part_off, length)`` runs: where the part's slots sit in the region.
         size: slots of each state tensor.
         region_shaped: the shard's only part: slot ``i`` is region slot ``i``.
@@ -55,13 +56,14 @@ class Part:
     rows: list
     table: torch.Tensor
     segments: object
+    blocks: formats.BlockTable
     spans: list
     size: int
     region_shaped: bool
 
     def region_values(self, name: str, out: torch.Tensor) -> None:
         """Write this part's ``name`` decoded to fp32 into its slots of region-shaped ``out``."""
-        v = formats.values(self.state[name], self.scales.get(name), self.table, name)
+        v = formats.values(self.state[name], self.scales.get(name), self.blocks, name)
         for lo, at, n in self.spans:
             out[lo:lo + n] = v[at:at + n]
 
@@ -74,7 +76,7 @@ class Part:
             mine = torch.zeros(self.size, dtype=torch.float32, device=t.device)
             for lo, at, n in self.spans:
                 mine[at:at + n] = x[lo:lo + n]
-        formats.store_values(t, self.scales.get(name), self.table, name, mine)
+        formats.store_values(t, self.scales.get(name), self.blocks, name, mine)
 
 
 def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]:
@@ -153,7 +155,8 @@ class BucketShard:
         scales = {name: torch.zeros(table.shape[0], dtype=torch.float32, device=device)
                   for name in state_names} if moments == torch.uint8 else {}
         segments = Segments.build(rows, upload=upload) if upload is not None else None
-        return Part(fmt, state, scales, rows, table, segments, spans, size, single)
+        blocks = formats.BlockTable(table, size, device, upload)
+        return Part(fmt, state, scales, rows, table, segments, blocks, spans, size, single)
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,7 @@ class Unit:
 
     rows: list
     segments: object
+    blocks: object
     norm_rows: list
     norm_segments: object
     table: torch.Tensor
@@ -123,7 +124,8 @@ class Updates:
             with range_push("fused_zero.update"):
                 e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                     unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
-                    clip_coef=clip, scales=unit.scales or None, stochastic=e.options.stochastic_rounding))
+                    clip_coef=clip, scales=unit.scales or None, stochastic=e.options.stochastic_rounding,
+                    blocks=unit.blocks))
             for item, flags in unit.items:
                 shard = item.shard
                 shard.reduced_buffer = None
@@ -143,11 +145,11 @@ class Updates:
             for item, t, flags in zip(items, coefs, used):
                 s = item.shard
                 for k, part in enumerate(s.parts):
-                    units.append(Unit(part.rows, part.segments, s.norm_rows if k == 0 else [],
+                    units.append(Unit(part.rows, part.segments, part.blocks, s.norm_rows if k == 0 else [],
                                       s.norm_segments if k == 0 else None, t, s.reduced_buffer, s.param_buffer,
                                       part.state, part.scales, [(item, flags)] if k == len(s.parts) - 1 else []))
             return units
-        units = [Unit(launch.rows, launch.segments, launch.norm_rows, launch.norm_segments, table,
+        units = [Unit(launch.rows, launch.segments, launch.blocks, launch.norm_rows, launch.norm_segments, table,
                       launch.grad(buffers), launch.arena.params, launch.fs.state, launch.fs.scales, [])
                  for launch, buffers in launches]
         last = {id(launch.arena): unit for (launch, _), unit in zip(launches, units)}

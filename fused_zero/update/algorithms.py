@@ -27,6 +27,7 @@ class UpdateArgs:
     clip_coef: torch.Tensor | None = None
     scales: dict[str, torch.Tensor] | None = None  # 8-bit moments: one fp32 scale per row of the launch
     stochastic: bool = False  # bf16 parameters without masters, rounded stochastically
+    blocks: object = None  # the launch's formats.BlockTable: what the torch backend cuts runs and blocks by
 
 
 class Algorithm:

@@ -32,27 +32,45 @@ def decode8(code: torch.Tensor, signed: bool) -> torch.Tensor:
     return torch.where((c >> 7) == 1, -value, value) if signed else value  # negation: the sign bit
 
 
+_DECODE_TABLES = {signed: decode8(torch.arange(256, dtype=torch.uint8, device="cpu"), signed)
+                  for signed in (True, False)}
+
+
+def decode_table(signed: bool) -> torch.Tensor:
+    """``decode8`` of every code, a host fp32 table of 256: the CPU update decodes by ``index_select``
+    into it, one pass instead of decode8's dozen (its values are decode8's, bit for bit)."""
+    return _DECODE_TABLES[signed]
+
+
 def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The kernels' recipe (kernels/formats.py), each ``where`` written as a mask of sign bits and
+    every op after the first few in place: the same codes for every bit pattern of ``y`` (NaN and
+    overflow included), without ``where`` (about 20 ns an element on this CPU build) or a fresh
+    temporary per op. ``e`` lies within
+    [-368, 143], so ``-e >> 31`` is -1 exactly where ``e >= 1``."""
     bits = y.contiguous().view(torch.int32)
     mag = bits & 0x7FFFFFFF
-    if signed:
-        r = mag + 0x7FFFF + ((mag >> 20) & 1)
-        e = (r >> 23) - 112
-        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
-        code = torch.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
-    else:
-        r = mag + 0x7FFFF + ((mag >> 20) & 1)
-        e = (r >> 23) - 96
-        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), torch.where(mag != 0, 8, 0))
+    r = (mag >> 20).bitwise_and_(1).add_(mag).add_(0x7FFFF)  # round to 3 bits, ties to even
+    low = (r >> 20).bitwise_and_(7)
+    e = r.__irshift__(23).sub_(112 if signed else 96)
+    normal = e.neg().__irshift__(31)  # -1 where e >= 1
+    code = e.__ilshift__(3).bitwise_or_(low).bitwise_and_(normal)  # 0 where e < 1
+    if signed:  # the sign bit where the code is not 0
+        code.bitwise_or_((bits >> 31).bitwise_and_(128).bitwise_and_(code.neg().__irshift__(31)))
+    else:  # 8 (the smallest code) where e < 1 but y is not 0
+        code.bitwise_or_(mag.neg_().__irshift__(31).bitwise_and_(8).bitwise_and_(normal.bitwise_not_()))
     return code.to(torch.uint8)
 
 
 def encode_blocks(x: torch.Tensor, local: torch.Tensor, k: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks encoded as the kernels' ``store_moment`` encodes one (``local``: each element's block,
-    0..k-1): every block's scale is its largest magnitude, its codes each element over that scale."""
+    0..k-1): every block's scale is its largest magnitude, its codes each element over that scale;
+    a block whose scale is 0 or NaN gets +0.0 there (the kernels' ``where(s > 0, x / s, 0.0)``, made by
+    masking the quotient's bits per block: no per-element compare or ``where``)."""
     s = torch.zeros(k, dtype=torch.float32, device=x.device).scatter_reduce_(0, local, x.abs(), "amax")
-    per = s[local]
-    y = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
+    ok = s > 0
+    y = x / torch.where(ok, s, 1.0).index_select(0, local)
+    y.view(torch.int32).bitwise_and_(ok.to(torch.int32).neg_().index_select(0, local))
     return encode8(y, signed), s
 
 
@@ -80,17 +98,56 @@ def sr_keys(seed: int, steps: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------- whole regions
 
 
-def _blocks(rows: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
-    """Each region slot's block (row) number, on the region's ``device`` (CUDA takes no index from
-    another device); -1 where no row covers it. Filled row by row from the host table's numbers: no
-    host tensor reaches the device, and the host never waits for it."""
-    out = torch.full((size,), -1, dtype=torch.int64, device=device)
-    for so, n, block in rows[:, [0, 1, 7]].tolist():
-        out[so:so + n] = block
-    return out
+class BlockTable:
+    """The 8-bit blocks of one row table (``kernels.row_table``: a block per row), derived once with
+    the table and kept beside it (a shard's Part, an arena's Launch). A new layout builds new tables, so
+    it is never stale. Everything a step or a store used to rebuild from the table: the CPU update's
+    host rows, and each slot's block, made on the state's device from a per-block table (one op, no
+    host tensor read there, no Python loop over the rows). Measured (docs/performance.md): a store of
+    a 905k-slot region 39-46 -> 28 ms; the CPU step's int8/fp32 ratio barely moved (10.2 against
+    9.8-12.9), the codec's ``where`` was the cost (now 4.8-5.4 without it).
+
+    Attributes:
+        rows: the table's rows as host tuples ``(shard_off, length, param_off, grad_off, pid, elem,
+            block)``, in table order (block ``i`` is row ``i``): what the CPU update merges into runs.
+        count: blocks, the length of an 8-bit moment's scales.
+        size: slots of the state the table indexes.
+    """
+
+    def __init__(self, table: torch.Tensor, size: int, device: torch.device, upload=None):
+        """``upload``: how a host table reaches the device without a wait (as ``Segments.build``)."""
+        self.rows = [tuple(r) for r in table[:, [0, 1, 2, 3, 4, 5, 7]].tolist()]
+        self.count, self.size, self.device = table.shape[0], size, torch.device(device)
+        order = torch.argsort(table[:, 0], stable=True)
+        start, length, block = (table[order, c] for c in (0, 1, 7))
+        end = start + length
+        gap = start - torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), end[:-1]])
+        if bool((gap < 0).any()) or (self.count and int(end[-1]) > size):
+            raise ValueError(f"rows overlap or reach past the {size} slots of their state; rebuild the table")
+        # segments covering every slot in order: the gap before each row (block -1), the row, the tail
+        tail = size - (int(end[-1]) if self.count else 0)
+        host = torch.stack([torch.cat([torch.stack([torch.full_like(block, -1), block], 1).reshape(-1),
+                                       torch.tensor([-1], dtype=torch.int64, device="cpu")]),
+                            torch.cat([torch.stack([gap, length], 1).reshape(-1),
+                                       torch.tensor([tail], dtype=torch.int64, device="cpu")])])
+        self._segments = upload(host) if upload is not None else \
+            torch.tensor(host.tolist(), dtype=torch.int64, device=self.device)
+        self._slots: torch.Tensor | None = None
+
+    def slots(self) -> torch.Tensor:
+        """Each state slot's block, -1 where no row covers it (int64, on the table's device). Kept on
+        the host, where the CPU update reads it every step (8 bytes per slot of host memory); made anew
+        per call on an accelerator, where it is only read by loads and reshards and would cost 4x the
+        device memory of a pair of 8-bit moments."""
+        if self._slots is not None:
+            return self._slots
+        out = torch.repeat_interleave(self._segments[0], self._segments[1], output_size=self.size)
+        if self.device.type == "cpu":
+            self._slots = out
+        return out
 
 
-def values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str) -> torch.Tensor:
+def values(t: torch.Tensor, scale: torch.Tensor | None, blocks: BlockTable | None, name: str) -> torch.Tensor:
     """A region decoded to fp32 (slots no row covers: 0). Without boolean indexing, whose output size
     the host would wait for on CUDA."""
     if t.dtype == torch.float32:
@@ -99,11 +156,11 @@ def values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | Non
         return t.float()
     if not scale.numel():
         return torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-    block = _blocks(rows, t.numel(), t.device)
-    return torch.where(block >= 0, decode8(t, SIGNED[name]) * scale[block.clamp(min=0)], 0.0)
+    block = blocks.slots()
+    return torch.where(block >= 0, decode8(t, SIGNED[name]) * scale.index_select(0, block.clamp(min=0)), 0.0)
 
 
-def store_values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None, name: str,
+def store_values(t: torch.Tensor, scale: torch.Tensor | None, blocks: BlockTable | None, name: str,
                  x: torch.Tensor) -> None:
     """Encode fp32 ``x`` (region-shaped, on the region's device) into the region, block by block for
     8-bit moments; slots no row covers keep their codes. A block's scale is the largest magnitude among
@@ -113,7 +170,7 @@ def store_values(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor
         return
     if not scale.numel():
         return
-    block = _blocks(rows, t.numel(), t.device)
+    block = blocks.slots()
     covered = block >= 0
     codes, s = encode_blocks(torch.where(covered, x, 0.0), block.clamp(min=0), scale.numel(), SIGNED[name])
     t.copy_(torch.where(covered, codes, t))

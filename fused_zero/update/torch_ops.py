@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import ADAM_COEFS, SGD_COEFS, row_table
-from .formats import SIGNED, decode8, encode_blocks, round_stochastic
+from ..kernels import ADAM_COEFS, SGD_COEFS
+from .formats import SIGNED, decode_table, encode_blocks, round_stochastic
 
 _ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
 _SGD = {name: i for i, name in enumerate(SGD_COEFS)}
@@ -67,35 +67,33 @@ def merged_runs(rows, table: list[list[float]]):
 
 
 def block_runs(rows, table: list[list[float]], stochastic: bool):
-    """The kernels' rows (blocks) merged as ``merged_runs`` merges pieces, with what 8-bit moments and
-    stochastic rounding need: ``(so, n, po, go, pid, elem, blocks, lengths)``, ``elem`` the first
-    element's index in its parameter, ``blocks`` / ``lengths`` the run's rows. With stochastic rounding
-    a run stays within one parameter."""
+    """The kernels' rows (blocks: ``formats.BlockTable.rows``) merged as ``merged_runs`` merges pieces,
+    with what 8-bit moments and stochastic rounding need: ``(so, n, po, go, pid, elem, first, k)``,
+    ``elem`` the first element's index in its parameter, ``first`` / ``k`` the run's first block and
+    its number of blocks (consecutive rows of the table). With stochastic rounding a run stays within
+    one parameter."""
     runs = []
-    for so, n, po, go, pid, elem, block in row_table(rows)[:, [0, 1, 2, 3, 4, 5, 7]].tolist():
+    for so, n, po, go, pid, elem, block in rows:
         if runs:
-            rso, rn, rpo, rgo, rpid, relem, blocks, lengths = runs[-1]
+            rso, rn, rpo, rgo, rpid, relem, first, k = runs[-1]
             if (so == rso + rn and po == rpo + rn and go == rgo + rn and table[pid] == table[rpid]
                     and (not stochastic or (pid == rpid and elem == relem + rn))):
-                blocks.append(block)
-                lengths.append(n)
-                runs[-1] = (rso, rn + n, rpo, rgo, rpid, relem, blocks, lengths)
+                runs[-1] = (rso, rn + n, rpo, rgo, rpid, relem, first, k + 1)
                 continue
-        runs.append((so, n, po, go, pid, elem, [block], [n]))
+        runs.append((so, n, po, go, pid, elem, block, 1))
     return runs
 
 
 class _Moments:
     """One run's moments as fp32 working tensors (views of fp32 storage, decoded copies otherwise),
-    and their storing back (8-bit: each of the run's blocks with its own scale)."""
+    and their storing back (8-bit: each of the run's blocks with its own scale). The run's slots'
+    blocks are a view of the table's cached ``slots`` (formats.BlockTable): nothing is built per step."""
 
-    def __init__(self, args, so: int, n: int, blocks: list[int] | None, lengths: list[int] | None):
+    def __init__(self, args, so: int, n: int, first: int, k: int):
         self.args, self.so, self.n = args, so, n
-        if args.scales and blocks is not None:
-            device = args.param.device  # the CPU: this path is refused elsewhere (options.py)
-            self.ids = torch.tensor(blocks, dtype=torch.int64, device=device)
-            self.local = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int64, device=device),
-                                                 torch.tensor(lengths, dtype=torch.int64, device=device))
+        if args.scales:
+            self.first, self.k = first, k
+            self.block = args.blocks.slots()[so:so + n]  # global block numbers, first .. first + k - 1
 
     def get(self, name: str) -> torch.Tensor:
         t = self.args.state[name][self.so:self.so + self.n]
@@ -103,16 +101,18 @@ class _Moments:
             return t
         if t.dtype == torch.bfloat16:
             return t.float()
-        return decode8(t, SIGNED[name]) * self.args.scales[name][self.ids][self.local]
+        return decode_table(SIGNED[name]).index_select(0, t.to(torch.int32)) * \
+            self.args.scales[name].index_select(0, self.block)
 
     def put(self, name: str, x: torch.Tensor) -> None:
         t = self.args.state[name][self.so:self.so + self.n]
         if t.dtype == torch.bfloat16:
             t.copy_(x)  # round to nearest even
         elif t.dtype == torch.uint8:
-            codes, scales = encode_blocks(x, self.local, len(self.ids), SIGNED[name])
+            codes, scales = encode_blocks(x, self.block, self.args.blocks.count, SIGNED[name])
             t.copy_(codes)
-            self.args.scales[name][self.ids] = scales
+            lo, hi = self.first, self.first + self.k
+            self.args.scales[name][lo:hi] = scales[lo:hi]  # the others are 0: blocks of other runs
 
 
 def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
@@ -122,10 +122,10 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
     table = coefs.tolist()
     master = args.state.get("master")
     blockwise = bool(args.scales) or args.stochastic
-    units = block_runs(rows, table, args.stochastic) if blockwise else \
-        [(*run, 0, None, None) for run in merged_runs(rows, table)]
+    units = block_runs(args.blocks.rows, table, args.stochastic) if blockwise else \
+        [(*run, 0, 0, 0) for run in merged_runs(rows, table)]
     keys = coefs[:, -1].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF if args.stochastic else None
-    for so, n, po, go, pid, elem, blocks, lengths in units:
+    for so, n, po, go, pid, elem, first, k in units:
         c = table[pid]
         if c[0] == 0.0:  # inactive: no gradient this step
             continue
@@ -135,7 +135,7 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
             p = args.param[po:po + n]
         else:
             p = args.param[po:po + n].float()
-        moments = _Moments(args, so, n, blocks, lengths)
+        moments = _Moments(args, so, n, first, k)
         if kind == "adam":
             _adam_row(args, c, p, moments, n, go, maximize, amsgrad)
         else:

@@ -409,8 +409,9 @@ def test_8bit_regions_are_decoded_and_encoded_on_their_device():
         rows = row_table([(0, 3000, 0, 0, 0, 0), (3104, 70, 3000, 3000, 1, 0)])  # host memory, as a shard's
         region = torch.zeros(3200, dtype=torch.uint8, device=device)
         scale = torch.zeros(rows.shape[0], dtype=torch.float32, device=device)
-        formats.store_values(region, scale, rows, "exp_avg", x.to(device))
-        decoded = formats.values(region, scale, rows, "exp_avg")
+        blocks = formats.BlockTable(rows, 3200, device)  # as a shard's part builds it
+        formats.store_values(region, scale, blocks, "exp_avg", x.to(device))
+        decoded = formats.values(region, scale, blocks, "exp_avg")
     assert checker.hazards() == [], checker.report()
     block = torch.full((3200,), -1, dtype=torch.int64, device="cpu")
     for so, n, b in rows[:, [0, 1, 7]].tolist():

@@ -15,10 +15,12 @@ import torch
 from distributed import run_ranks
 from expect import raises
 from formats_scenarios import HPARAMS, FormatCase, build, run_format_cases, train
+from kernel_reference import decode8
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.update.formats import round_stochastic
+from fused_zero.kernels import row_table
+from fused_zero.update.formats import BlockTable, decode_table, encode8, encode_blocks, round_stochastic
 
 MODES = list(itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")))
 TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "8bit") for o in ("AdamW", "SGD")
@@ -332,3 +334,68 @@ def _refusals(rank, world):
 
 def test_refusals():
     assert all(v.startswith("ok") for v in run_ranks(_refusals, 1)[0])
+
+
+def test_the_block_table_is_the_row_tables_blocks():
+    """formats.BlockTable, cached with a part's row table, gives every slot the block a row-by-row fill
+    of that table gives (-1 where no row covers it), on row tables with gaps before, between and after
+    the rows, ragged and split rows, rows listed out of slot order, and none; and its host rows are the
+    table's. Overlapping rows are refused where the table is built."""
+    cases = [([(3, 5000, 1, 7, 0, 0), (5010, 70, 5001, 5001, 1, 0), (6001, 300, 6000, 6000, 2, 9)], 6400),
+             ([(0, 4096, 0, 0, 0, 0), (4096, 1, 4096, 4096, 1, 0)], 4097),  # back to back, no gap at all
+             ([(700, 33, 0, 0, 1, 0), (64, 600, 40, 40, 0, 5)], 800),  # out of slot order
+             ([], 96)]
+    for pieces, size in cases:
+        table = row_table(pieces)
+        fill = torch.full((size,), -1, dtype=torch.int64, device="cpu")
+        for so, n, block in table[:, [0, 1, 7]].tolist():
+            fill[so:so + n] = block
+        blocks = BlockTable(table, size, torch.device("cpu"))
+        assert torch.equal(blocks.slots(), fill), (pieces, (blocks.slots() != fill).nonzero()[:4].tolist())
+        assert blocks.slots() is blocks.slots() and blocks.count == table.shape[0]
+        assert blocks.rows == [tuple(r) for r in table[:, [0, 1, 2, 3, 4, 5, 7]].tolist()]
+    raises(lambda: BlockTable(row_table([(0, 100, 0, 0, 0), (90, 20, 100, 100, 1)]), 200, torch.device("cpu")),
+           ValueError, "rows overlap or reach past the 200 slots")
+    raises(lambda: BlockTable(row_table([(0, 100, 0, 0, 0)]), 99, torch.device("cpu")), ValueError, "99 slots")
+
+
+def _recipe(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    """kernels/formats.py's encode8 transcribed with torch.where, as the CPU path wrote it before."""
+    bits = y.view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    r = mag + 0x7FFFF + ((mag >> 20) & 1)
+    e = (r >> 23) - (112 if signed else 96)
+    if signed:
+        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), 0)
+        code = torch.where(code != 0, code | (((bits >> 31) & 1) << 7), 0)
+    else:
+        code = torch.where(e >= 1, (e << 3) | ((r >> 20) & 7), torch.where(mag != 0, 8, 0))
+    return code.to(torch.uint8)
+
+
+def test_the_cpu_codec_is_the_kernels_recipe():
+    """The CPU path's 8-bit codec (update/formats.py, written without ``where`` for speed) gives the
+    kernels' recipe's codes for every kind of fp32 bit pattern (a stride through all 2^32, NaN, inf,
+    subnormals, both zeros), its decode table the definition's value of each code, and its blocks
+    the masked ``where(s > 0, x / s, 0)`` of the kernels, blocks of zeros, NaN and inf included."""
+    g = torch.Generator().manual_seed(0)
+    patterns = torch.cat([torch.arange(-2**31, 2**31, 4093, dtype=torch.int64, device="cpu"),
+                          torch.randint(-2**31, 2**31, (2**18,), generator=g, dtype=torch.int64)]).to(torch.int32)
+    y = torch.cat([patterns.view(torch.float32),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 1e-45, 2.0**-17],
+                                dtype=torch.float32, device="cpu")])
+    codes = torch.arange(256, dtype=torch.uint8, device="cpu")
+    for signed in (True, False):
+        wrong = (encode8(y, signed) != _recipe(y, signed)).nonzero()[:3].view(-1)
+        assert not len(wrong), (signed, y[wrong].tolist())
+        assert torch.equal(decode_table(signed).view(torch.int32), decode8(codes, signed).view(torch.int32))
+    local = torch.randint(24, (6000,), generator=g, dtype=torch.int64)
+    x = torch.randn(6000, generator=g, dtype=torch.float32)
+    for block, value in ((0, 0.0), (1, -0.0), (2, 1e-42), (3, math.nan), (4, math.inf), (5, -math.inf)):
+        x[(local == block).nonzero()[:None if block < 3 else 1]] = value
+    s = torch.zeros(24, dtype=torch.float32, device="cpu").scatter_reduce_(0, local, x.abs(), "amax")
+    per = s[local]
+    for signed in (True, False):
+        mine, scales = encode_blocks(x, local, 24, signed)
+        assert torch.equal(scales.view(torch.int32), s.view(torch.int32))
+        assert torch.equal(mine, _recipe(torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0), signed))

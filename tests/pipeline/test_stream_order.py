@@ -318,11 +318,11 @@ def _has_future_without_the_device(group, device) -> bool:
     return _backend_of_without_the_device(group) == "nccl"
 
 
-def _blocks_on_the_host(rows, size, device):
+def _blocks_on_the_host(self):
     """Issue 23's defect 2 as it was: the 8-bit block index made on the host, whatever the region's
     device (CUDA refused it at the first bucket rebuild, at loads and at DCP loads)."""
-    out = torch.full((size,), -1, dtype=torch.int64)
-    for so, n, block in rows[:, [0, 1, 7]].tolist():
+    out = torch.full((self.size,), -1, dtype=torch.int64)
+    for so, n, *_, block in self.rows:
         out[so:so + n] = block
     return out
 
@@ -360,7 +360,7 @@ REVERTED = {
         [(engine_module, "_Iteration", _IterationKeepingNoCopy)], {**BASE, "reduce_dtype": torch.bfloat16},
         "freed while in use"),
     "8-bit block index on the host": (
-        [(formats, "_blocks", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
+        [(formats.BlockTable, "slots", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
         ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/update/formats.py",
          "_blocks_on_the_host")),
     "pinned buffer refilled while in use": (
