@@ -263,7 +263,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,
-        as ShardedTensors over each parameter's flattened state (see checkpoint/sharded.py).
+        as DTensors over each parameter's flattened state (see checkpoint/sharded.py).
         ``dcp.save(opt.sharded_state_dict(), ...)``; to load, ``sd = opt.sharded_state_dict();
         dcp.load(sd, ...); opt.load_sharded_state_dict(sd)`` at any world size or bucket layout."""
         return sharded.sharded_state_dict(self._attached_engine("sharded_state_dict()"))

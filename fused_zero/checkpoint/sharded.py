@@ -1,17 +1,30 @@
 """The optimizer state for torch.distributed.checkpoint (DCP): each rank saves only what it owns, and a
 checkpoint loads at any world size or bucket layout.
 
-Every parameter's state tensor is one ShardedTensor over the parameter's flattened elements (in its
-memory order: a channels_last weight flattens as it lies in memory, see pipeline/strides.py; the
-checkpoint records that order, and a load into another memory format is refused), keyed by
-torch.optim's parameter index (``state.<i>.exp_avg``, ``state.<i>.fp32_master``, ...): the chunks are
-the runs of the parameter inside each rank's slice (layout.owners), and the replicated tail belongs to
-rank 0, so the chunks tile the parameter exactly, as DCP's save planner requires. Every rank knows
-every rank's runs, so the global metadata is built locally, with no collective. Resharding is DCP's:
-on load each rank asks for its own runs in the new layout and DCP reads them from whichever saved
-chunks overlap. The tail, held by every rank, is read by rank 0 and broadcast.
+Every parameter's state tensor is one DTensor over the parameter's flattened elements (in its memory
+order: a channels_last weight flattens as it lies in memory, see pipeline/strides.py; the checkpoint
+records that order, and a load into another memory format is refused), keyed by torch.optim's
+parameter index (``state.<i>.exp_avg``, ``state.<i>.fp32_master``, ...). Its chunks are the runs of the
+parameter inside each rank's slice (layout.owners), and the replicated tail belongs to rank 0, so the
+chunks tile the parameter exactly, as DCP's save planner requires. A slice cuts parameters anywhere,
+not where ``torch.chunk`` would, and rank 0 may own two runs of one parameter (one in its slice, one in
+the tail), so no placement describes the chunks: the DTensor's local tensor is torch's
+``LocalShardsWrapper`` (torch/distributed/tensor/_shards_wrapper.py, TorchRec's form for uneven
+shards), which hands DCP the rank's runs with their offsets through the checkpointable protocol
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``; torch 2.11 on). Its
+``Shard(0)`` placement is nominal: the DTensor is for DCP, not for DTensor ops (``full_tensor()``
+raises). A rank that owns no element of a parameter holds an empty chunk at its end, as DTensor's own
+empty shards are, and DCP's planner keeps one of those per tensor. Every rank knows every rank's runs,
+so the global metadata is built locally, with no collective. Resharding is DCP's: on load each rank
+asks for its own runs in the new layout and DCP reads them from whichever saved chunks overlap. The
+tail, held by every rank, is read by rank 0 and broadcast.
 
-With shard groups (pipeline/topology.py) each ShardedTensor lives on this rank's shard group, which
+**Formats** (``FORMAT``, saved as ``"format"`` under ``fused_zero``): 1, no marker, was ShardedTensor
+(torch warns "we are deprecating ShardedTensor" on every load of one); 2 is the DTensor form, with the
+same keys, shapes and chunks on disk, so a format-1 checkpoint loads as it is. A format this version
+does not know is refused, naming it.
+
+With shard groups (pipeline/topology.py) each DTensor lives on this rank's shard group (its mesh), which
 tiles the parameter by itself; the replicas write the same chunks (the same offsets), which DCP's save
 planner keeps once (``dedup_save_plans``), and each rank of every replica reads its own runs on load.
 So a checkpoint saved at one sharding (2 replicas of 2, say) loads at any other (4 x 1, 1 x 4).
@@ -21,8 +34,8 @@ optimizer changes only in ``load_sharded_state_dict``, once every check passed o
 thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
 
 ``state.<i>.step`` is a plain tensor (replicated; DCP writes it once); ``fused_zero`` holds the param
-groups and records the optimizer kind, state names and parameter shapes, so that a mismatch is named
-before anything loads.
+groups and records the format, the optimizer kind, state names and parameter shapes, so that a mismatch
+is named before anything loads.
 
 Compact moments (``state_format``, update/formats.py) are saved decoded to fp32, as the canonical dict
 holds them: 8-bit blocks follow the layout (the kernel rows), so codes saved as stored would load only
@@ -35,9 +48,9 @@ are views of it), the same copy an fp32 optimizer makes. A load encodes each reg
 from __future__ import annotations
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from ..pipeline import collectives
 from ..pipeline.layout import REPLICATED
@@ -45,9 +58,43 @@ from ..pipeline.strides import memory_order
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
+FORMAT = 2
+"""The DCP form's version (module docstring, "Formats"); raise it with any change a reader must know of."""
+
+READS = (1, 2)
+"""The formats ``load_sharded_state_dict`` reads."""
+
 
 def _owner(owner: int) -> int:
     return 0 if owner == REPLICATED else owner
+
+
+def _owned(runs: list, me: int) -> list[tuple[int, int, int]]:
+    """``(elem_lo, elem_hi, region_off)`` of the runs (layout.owners) whose chunk rank ``me`` writes."""
+    return [(lo, hi, off) for lo, hi, owner, off in runs if _owner(owner) == me]
+
+
+def _tensor(chunks: list, starts: list[int], numel: int, mesh, device: torch.device) -> torch.Tensor:
+    """A flat tensor of ``numel`` elements of which this rank holds ``chunks`` (copies), starting at
+    ``starts``: a DTensor on ``mesh``; a plain tensor, the whole of it, where there is no process group
+    (one process: every chunk is this rank's)."""
+    if mesh is None:
+        return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.float32, device=device)
+    if not chunks:
+        chunks, starts = [torch.zeros(0, dtype=torch.float32, device=device)], [numel]
+    local = LocalShardsWrapper(chunks, [(s,) for s in starts])
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _chunks(value, runs: list, numel: int) -> dict[int, torch.Tensor]:
+    """What a ``_tensor`` holds, by start (the empty chunk of a rank owning nothing left out)."""
+    if not isinstance(value, DTensor):
+        if tuple(value.shape) != (numel,):
+            raise StateDictError(f"a tensor of shape {tuple(value.shape)} where the flat state of {numel} "
+                                 "elements belongs")
+        return {lo: value[lo:hi] for lo, hi, _ in runs}
+    local = value.to_local()
+    return {start[0]: t for t, start in zip(local.local_shards(), local.local_offsets()) if t.numel()}
 
 
 def _state_key(name: str) -> str:
@@ -55,7 +102,7 @@ def _state_key(name: str) -> str:
 
 
 def _dim_order(p: torch.Tensor) -> list[int] | None:
-    """How a parameter's elements are laid out (the flattening of its ShardedTensors): None for
+    """How a parameter's elements are laid out (the flattening of its DTensors): None for
     row-major, else its dimensions from the outermost stride in (channels_last: [0, 2, 3, 1])."""
     if p.is_contiguous():
         return None
@@ -64,7 +111,8 @@ def _dim_order(p: torch.Tensor) -> list[int] | None:
 
 def _describe(engine) -> dict:
     index = canonical.param_index(engine.opt)
-    return {"kind": engine.algo.kind, "state": sorted({_state_key(n) for s in engine.shards() for n in s.names}),
+    return {"format": FORMAT, "kind": engine.algo.kind,
+            "state": sorted({_state_key(n) for s in engine.shards() for n in s.names}),
             "shapes": {index[id(p)]: list(p.shape) for p in engine.params},
             "orders": {index[id(p)]: _dim_order(p) for p in engine.params}}
 
@@ -74,25 +122,19 @@ def sharded_state_dict(engine) -> dict:
     engine.synchronize()
     index = canonical.param_index(engine.opt)
     state, decoded = {}, {}
-    topo = engine.topology
-    placed = topo.global_ranks[topo.replica]  # the global rank of each member of this shard group
+    group = engine.topology.shard_group
+    mesh = None if group is None else DeviceMesh.from_group(group, engine.device.type)
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
-        me = shard.layout.rank
-        runs = shard.layout.owners(local, me)
-        metas = [ShardMetadata([lo], [hi - lo], f"rank:{placed[_owner(owner)]}/{engine.device}")
-                 for lo, hi, owner, _ in runs]
+        mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
         entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32, device="cpu")}  # torch.optim's
         if id(shard) not in decoded:
             decoded[id(shard)] = {name: shard.values(name) for name in shard.names}
         for name, region in decoded[id(shard)].items():
             live = region is shard.live(name)  # fp32: copies; decoded: views of the decoded copy
-            local_shards = [Shard(region[off:off + m.shard_sizes[0]].clone() if live else
-                                  region[off:off + m.shard_sizes[0]], m)
-                            for (lo, hi, owner, off), m in zip(runs, metas) if _owner(owner) == me]
-            md = ShardedTensorMetadata(metas, torch.Size([p.numel()]), TensorProperties(dtype=torch.float32))
-            entry[_state_key(name)] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                local_shards, md, process_group=topo.shard_group)
+            chunks = [region[off:off + hi - lo].clone() if live and mesh is not None else region[off:off + hi - lo]
+                      for lo, hi, off in mine]
+            entry[_state_key(name)] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device)
         state[index[id(p)]] = entry
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
     return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), _describe(engine))}
@@ -116,6 +158,11 @@ def _check(engine, sd):
     if not (isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[1], dict)):
         raise StateDictError("not a fused_zero sharded state dict (no 'fused_zero' entry)")
     groups, saved = meta
+    version = saved.get("format", 1)
+    if version not in READS:
+        raise StateDictError(f"the checkpoint is fused_zero's DCP format {version}, this version reads formats "
+                             f"{', '.join(map(str, READS))}: load it with the fused_zero that saved it and save "
+                             "it as the canonical state_dict(), which loads at any version")
     checks.check_structure({"state": sd.get("state"), "param_groups": groups}, kind)
     mine = _describe(engine)
     if saved["kind"] != kind:
@@ -143,12 +190,9 @@ def _check(engine, sd):
         step = entry["step"]
         local = {"step": step}
         shard, loc = engine.registry.where[pid]
+        mine_runs = _owned(shard.layout.owners(loc, shard.layout.rank), shard.layout.rank)
         for name in shard.names:
-            st = entry[_state_key(name)]
-            by_offset = {s.metadata.shard_offsets[0]: s.tensor for s in st.local_shards()}
-            me = shard.layout.rank
-            mine_runs = [(lo, hi, off) for lo, hi, owner, off in shard.layout.owners(loc, me)
-                         if _owner(owner) == me]
+            by_offset = _chunks(entry[_state_key(name)], mine_runs, p.numel())
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
@@ -180,9 +224,7 @@ def _apply(engine, groups, values) -> None:
         for local, pid in enumerate(shard.layout.pids):
             saved = values[pid]
             pos = 0
-            for lo, hi, owner, off in shard.layout.owners(local, me):
-                if _owner(owner) != me:
-                    continue
+            for lo, hi, off in _owned(shard.layout.owners(local, me), me):
                 for name in names:
                     regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo

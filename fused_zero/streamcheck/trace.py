@@ -24,7 +24,19 @@ _HOST_READS = {"tolist": "tensor.tolist()", "numpy": "tensor.numpy()", "cpu": "t
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor) and _has_storage(v)]
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    """False for a wrapper subclass without memory of its own (a DTensor, DCP's LocalShardsWrapper): the
+    tensors it wraps are the memory, made and copied by operations of their own."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return True
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _device_arg(args, kwargs):

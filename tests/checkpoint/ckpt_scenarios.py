@@ -4,7 +4,9 @@ optimizer is perturbed (trained on other data), so that a load that does nothing
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -94,11 +96,22 @@ def assert_unchanged(before: dict, opt, model) -> None:
     assert before["groups"] == after["groups"], "a refused load changed param_groups"
 
 
+@contextlib.contextmanager
+def warnings_as_errors():
+    """Any warning raises: torch's "Please use DTensor instead and we are deprecating ShardedTensor" on
+    every ``dcp.load`` of a ShardedTensor, among others."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
 def dcp_save(opt, path):
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    with warnings_as_errors():
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
 
 
 def dcp_load(opt, path):
-    sd = opt.sharded_state_dict()
-    dcp.load(sd, checkpoint_id=path)
+    with warnings_as_errors():
+        sd = opt.sharded_state_dict()
+        dcp.load(sd, checkpoint_id=path)
     opt.load_sharded_state_dict(sd)

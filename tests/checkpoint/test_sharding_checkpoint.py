@@ -10,8 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from ckpt_scenarios import assert_same_state, load_and_continue, train_both
+from ckpt_scenarios import assert_same_state, dcp_save, load_and_continue, train_both
 from distributed import run_ranks
 from scenarios import Case, build
 
@@ -38,7 +37,7 @@ def save(rank, path, saved: Case, tag: str):
     if rank == 0:
         torch.save({"model": model.state_dict(), "ours": full, "torch": ref_opt.state_dict()},
                    os.path.join(path, f"{tag}.pt"))
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=os.path.join(path, f"{tag}-dcp"))
+    dcp_save(opt, os.path.join(path, f"{tag}-dcp"))
     opt._engine.close()
     dist.barrier()
 

@@ -2,6 +2,8 @@
 ``ddp=model`` or ``opt.attach(model)`` trains as the same torch.optim class does on the same data,
 compared by torch.equal after every step (pipeline/local.py). In-process: nothing to spawn."""
 
+import warnings
+
 import doc_blocks
 import pytest
 import torch
@@ -137,6 +139,32 @@ def test_state_dict_round_trip_through_torch_optim():
     for pid, entry in ref_sd["state"].items():
         for name, value in entry.items():
             assert torch.equal(sd["state"][pid][name], value), f"parameter {pid}: {name}"
+
+
+def test_dcp_round_trip(tmp_path):
+    """torch.distributed.checkpoint in one process: the sharded dict holds plain tensors (the whole state
+    is this rank's), and a fresh optimizer that trained elsewhere trains on identically to torch.optim
+    after loading it. No warning but DCP's own "assuming ... a single process"."""
+    import torch.distributed.checkpoint as dcp
+    hp = dict(lr=1e-2, weight_decay=0.1)
+    ref, ref_opt, test, opt = _pair(torch.optim.AdamW, fused_zero.AdamW, hp)
+    for _ in zip(_train(ref, ref_opt, 3), _train(test, opt, 3)):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=str(tmp_path))
+        fresh = fused_zero.AdamW(_groups(test), lr=5e-2, ddp=test)
+        weights = {k: v.clone() for k, v in test.state_dict().items()}
+        for _ in _train(test, fresh, 2, start=100):
+            pass
+        test.load_state_dict(weights)
+        sd = fresh.sharded_state_dict()
+        assert type(sd["state"][0]["exp_avg"]) is torch.Tensor
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+    fresh.load_sharded_state_dict(sd)
+    for step, _ in zip(_train(ref, ref_opt, 3, start=3), _train(test, fresh, 3, start=3)):
+        _assert_same(ref, test, step)
 
 
 def test_refusals_name_the_parameter():
