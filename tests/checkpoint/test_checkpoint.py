@@ -173,9 +173,9 @@ def refused_and_helpers(rank, world, path):
     dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
     sharded = opt.sharded_state_dict()
     dcp.load(sharded, checkpoint_id=path)
-    shards = sharded["state"][first]["exp_avg"].local_shards()
-    if rank == 1 and shards:
-        shards[0].tensor[0] = float("nan")
+    runs = [t for t in sharded["state"][first]["exp_avg"].to_local().local_shards() if t.numel()]  # this rank's
+    if rank == 1 and runs:
+        runs[0][0] = float("nan")
     for tamper, fragment in ((None, "non-finite"), ("kind", "SGD")):
         if tamper == "kind":
             groups, described = sharded["fused_zero"]
