@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import os
 import pickle
-import time
 import traceback
 import warnings
 
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fused_zero.demo.spawn import RanksFailed, _free_port
+from fused_zero.demo.spawn import RanksFailed, _free_port, collect
 from fused_zero.demo.spawn import run_ranks as _run_ranks
 
 COLLECTIVE_TIMEOUT_S = 90.0
@@ -73,23 +72,7 @@ class _Pool:
         task = pickle.dumps((self.calls, fn, args, _free_port(), backend))
         for q in self.tasks:
             q.put(task)
-        outs, errors = {}, []
-        deadline = time.monotonic() + timeout
-        try:
-            while len(outs) < self.world:
-                call, rank, status, payload = self.results.get(timeout=max(deadline - time.monotonic(), 1.0))
-                if call != self.calls:
-                    continue
-                if status == "ok":
-                    outs[rank] = pickle.loads(payload)
-                else:
-                    errors.append(f"--- rank {rank} ---\n{payload}")
-                    break  # the others may now hang in a collective: stop waiting for them
-        except Exception as e:  # queue.Empty: a rank hung or died without a word
-            errors.append(f"ranks timed out after {timeout}s ({type(e).__name__}); finished: {sorted(outs)}")
-        if errors:
-            raise RanksFailed("\n".join(errors))
-        return [outs[r] for r in range(self.world)]
+        return collect(self.results, self.world, timeout, call=self.calls)
 
     def close(self) -> None:
         for q in self.tasks:

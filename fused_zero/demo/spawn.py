@@ -57,7 +57,7 @@ def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
         try:
             # by value: the queue's own pickler sends tensors as shared-memory handles, which vanish
             # when this process exits before the parent has read them (FileNotFoundError there)
-            results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+            results.put((None, rank, "ok", pickle.dumps(fn(rank, world, *args))))
             # no rank tears its group down while a peer still talks to it: with gloo that race aborts
             # the process ("terminate called without an active exception"), 1 exit in 3 on 2 CPU ranks
             dist.barrier()
@@ -65,7 +65,7 @@ def _entry(rank, world, port, backend, collective_timeout, fn, args, results):
             dist.destroy_process_group()
         return
     except BaseException:  # every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((None, rank, "error", traceback.format_exc()))
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None = AUTO,
@@ -83,23 +83,34 @@ def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str | None
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    outs, errors = {}, []
-    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, payload = results.get(timeout=max(deadline - time.monotonic(), 1.0))
-            if status == "ok":
-                outs[rank] = pickle.loads(payload)
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break  # the others may now hang in a collective: stop waiting for them
-    except Exception as e:  # queue.Empty: a rank hung or died without a word
-        errors.append(f"ranks timed out after {timeout}s ({type(e).__name__}); finished: {sorted(outs)}")
+        return collect(results, world, timeout)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def collect(results, world: int, timeout: float, call=None) -> list:
+    """Every rank's value from ``results``, whose messages are ``(call, rank, "ok" or "error", payload)``,
+    in rank order; messages of another call (a kept process's earlier one) are dropped. The first
+    error, or ``timeout`` seconds without every rank's answer, raises RanksFailed: the other ranks may
+    now hang in a collective, so nobody waits for them."""
+    outs, errors = {}, []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) < world:
+            tag, rank, status, payload = results.get(timeout=max(deadline - time.monotonic(), 1.0))
+            if tag != call:
+                continue
+            if status == "ok":
+                outs[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    except Exception as e:  # queue.Empty: a rank hung or died without a word
+        errors.append(f"ranks timed out after {timeout}s ({type(e).__name__}); finished: {sorted(outs)}")
     if errors:
         raise RanksFailed("\n".join(errors))
     return [outs[r] for r in range(world)]

@@ -50,10 +50,14 @@ def patches(name: str, config: str, nccl: tuple = MODELED_NCCL) -> list[tuple[ob
             (torch.cuda.nccl, "version", lambda: nccl)]
 
 
-@contextlib.contextmanager
 def reported(name: str, config: str, nccl: tuple = MODELED_NCCL):
     """``patches`` applied inside the ``with``."""
-    stubs = patches(name, config, nccl)
+    return patched(patches(name, config, nccl))
+
+
+@contextlib.contextmanager
+def patched(stubs):
+    """``(owner, attribute, value)`` set for the block, put back after it whatever happens."""
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in stubs]
     for owner, attr, value in stubs:
         setattr(owner, attr, value)

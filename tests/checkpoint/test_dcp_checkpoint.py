@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_scenarios import dcp_load, dcp_save, load_and_continue, train_both
 from distributed import run_ranks
+from memory import peak_bytes
 from scenarios import Case, build
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile
 
 import fused_zero
 from fused_zero.checkpoint.checks import StateDictError
@@ -64,19 +64,6 @@ def load_format1(rank):
     except StateDictError as e:
         assert "format 99" in str(e), e
     opt._engine.close()
-
-
-def peak_bytes(fn) -> int:
-    """The peak of torch's CPU allocations made while ``fn`` runs (this thread), above the start."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    now = peak = 0
-    for _, n in events:
-        now += n
-        peak = max(peak, now)
-    return peak
 
 
 def measure_save_memory(rank, world, path):

@@ -57,6 +57,7 @@ from fused_zero.pipeline import streams as streams_module
 from fused_zero.pipeline.reduction import Reduction
 from fused_zero.pipeline.updates import Updates
 from fused_zero.streamcheck import StreamChecker
+from fused_zero.streamcheck.backends import patched
 from fused_zero.update import formats
 
 STEPS = 5
@@ -367,19 +368,6 @@ REVERTED = {
         [(streams_module._PinnedRing, "take", _ring_reusing_a_busy_buffer)], {**BASE, "find_unused": True},
         "_ring_reusing_a_busy_buffer"),
 }
-
-
-@contextlib.contextmanager
-def patched(patches):
-    """``(owner, attribute, value)`` set for the block, put back after it whatever happens."""
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-    for owner, attr, value in patches:
-        setattr(owner, attr, value)
-    try:
-        yield
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
 
 
 def check_reverted(rank, world):
