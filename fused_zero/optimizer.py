@@ -89,8 +89,16 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """``options``: the keyword-only sharding options (options.OPTIONS) (an unknown one is a
         TypeError naming it). foreach and fused are accepted for drop-in compatibility and ignored: the
         update is always one fused kernel."""
-        if capturable or differentiable:
-            raise ValueError("capturable and differentiable are not supported by fused_zero optimizers")
+        if capturable:
+            raise ValueError(
+                "capturable=True is not supported: fused_zero's step already keeps its step counts and bias "
+                "corrections on the device and makes no host synchronization (what capturable=True gives "
+                "torch.optim outside a graph), but step() cannot be captured in a CUDA graph yet (its "
+                "coefficient tables are refilled from pinned buffers and its collectives issued by the host "
+                "each step); leave capturable=False")
+        if differentiable:
+            raise ValueError("differentiable=True is not supported: the fused update is not part of the autograd "
+                             "graph; leave differentiable=False")
         options = normalize_options(options, type(self).__name__)
         _check_options(options)
         self._algorithm = algorithm
@@ -259,7 +267,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             self._kept = loading.keep_until_attach(self, state_dict)
             return
         loading.load_state_dict(self._engine, state_dict)
-        self._peers.published()
+        self._peers.published(by_step=False)
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,
@@ -272,7 +280,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
         all of it on every rank: a refused dict raises and changes nothing."""
         sharded.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
-        self._peers.published()
+        self._peers.published(by_step=False)
 
 
 class AdamW(_ShardedOptimizer):

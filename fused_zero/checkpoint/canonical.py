@@ -35,7 +35,7 @@ from .checks import MASTER_KEY
 
 def has_state(engine, pid: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum)."""
-    if engine.steps[pid] == 0:
+    if engine.step_counts.host()[pid] == 0:
         return False
     if engine.algo.kind == "sgd":
         return engine.opt.param_groups[engine.group_of[pid]]["momentum"] != 0
@@ -123,7 +123,7 @@ class StateDictBuilder:
         p = e.params[pid]
         entry = self.state.setdefault(self._index[id(p)], {})
         if e.algo.kind == "adam":
-            entry["step"] = torch.tensor(float(e.steps[pid]), dtype=torch.float32, device="cpu")
+            entry["step"] = torch.tensor(float(e.step_counts.host()[pid]), dtype=torch.float32, device="cpu")
         flats = {}
         for name in shard.names:  # bucket order is the parameter's memory order (strides.py)
             flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
@@ -192,7 +192,7 @@ def local_entry(engine, pid: int) -> dict:
             if owner in (me, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":
-        entry["step"] = torch.tensor(float(engine.steps[pid]), dtype=torch.float32, device="cpu")
+        entry["step"] = torch.tensor(float(engine.step_counts.host()[pid]), dtype=torch.float32, device="cpu")
     engine.synchronize()
     for name in shard.names:
         region = shard.values(name)

@@ -197,8 +197,10 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         for name, region in filled.items():  # moments encoded in their format, as an update would
             if region is not shard.live(name):
                 shard.store_values(name, region)
+    steps = engine.steps
     for pid, saved in entries.items():
-        engine.steps[pid] = saved_step(engine, saved)
+        steps[pid] = saved_step(engine, saved)
+    engine.steps = steps
 
 
 def saved_step(engine, saved: dict) -> float:

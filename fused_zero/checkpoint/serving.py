@@ -84,7 +84,7 @@ class CheckpointPeers:
         self.versions = Versions()  # what serving each recent version needs (versions.py)
         self.number = server.register(self) if server is not None else None
         self._stream = None  # CUDA: the server's own stream, made when first needed
-        self.published()  # version 0: the state as attach laid it out
+        self.published(by_step=False)  # version 0: the state as attach laid it out
 
     @property
     def version(self) -> int:
@@ -92,14 +92,14 @@ class CheckpointPeers:
 
     # ------------------------------------------------------------------ the training thread
 
-    def published(self) -> None:
-        """A step (or a load) completed on this rank: its state may be served as this version."""
+    def published(self, by_step: bool = True) -> None:
+        """A step (``by_step``) or a load completed on this rank: its state may be served as this version."""
         e = self.engine
         if self.server is None:
             return
         # step() has joined the side stream: the current stream is after it
         events = (e.side.api.current().record_event(),) if e.side.stream is not None else ()
-        self.versions.publish(e, events)
+        self.versions.publish(e, events, by_step)
 
     def state_dict(self, to: int | None, make_builder):
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is

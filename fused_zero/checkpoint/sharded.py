@@ -127,7 +127,8 @@ def sharded_state_dict(engine) -> dict:
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
-        entry = {"step": torch.tensor(float(engine.steps[pid]), dtype=torch.float32, device="cpu")}  # torch.optim's
+        step = float(engine.step_counts.host()[pid])
+        entry = {"step": torch.tensor(step, dtype=torch.float32, device="cpu")}  # torch.optim's
         if id(shard) not in decoded:
             decoded[id(shard)] = {name: shard.values(name) for name in shard.names}
         for name, region in decoded[id(shard)].items():
@@ -217,6 +218,7 @@ def _apply(engine, groups, values) -> None:
     for g, merged in zip(opt.param_groups, groups):
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
+    steps = engine.steps
     for shard in engine.shards():
         names = shard.names
         regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
@@ -228,7 +230,7 @@ def _apply(engine, groups, values) -> None:
                 for name in names:
                     regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo
-            engine.steps[pid] = float(saved["step"])
+            steps[pid] = float(saved["step"])
         layout = shard.layout
         if layout.tail and layout.world_size > 1 and names:
             tail = torch.stack([regions[n][slice(*layout.region_tail(me))] for n in names])
@@ -238,3 +240,4 @@ def _apply(engine, groups, values) -> None:
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
             if regions[name] is not shard.live(name):
                 shard.store_values(name, regions[name])
+    engine.steps = steps

@@ -10,11 +10,15 @@ what it was: its events, the state tensors its regions were in (a reshard after 
 or the arenas' packing, gives the shards new ones on the host; the old ones must stay alive, not go back
 to the allocator's pool to be reused), and its layout fingerprint.
 
-**How far ahead.** ``HOST_RUN_AHEAD`` (pipeline/step_counts.py) iterations: the first coefficient table
-of iteration N+2 settles the step counts, a host wait on iteration N+1's skip flags, which follow N+1's
-updates, which follow N+1's reductions, which wait for the requester. So a server's rank has published
-at most N + HOST_RUN_AHEAD when a request for N reaches it, and ``KEPT`` = HOST_RUN_AHEAD + 1 versions
-are kept (this one and the ones a requester can still be at).
+**How far ahead.** As far as the streams let it: the step path has no host wait
+(pipeline/step_counts.py), so nothing bounds the versions a server's rank may have published past the
+one a request asks for. A version is kept until no request can still want it: once the events of a
+later version published by ``step()`` have passed, that step's updates have run, after its reductions,
+which every member of the shard group joined, each only after its last ``state_dict()`` of an earlier
+version had returned (a requester is between steps until its last slice has come). So the older
+versions go (``event.query()``, no wait); on a GPU that keeps the newest version whose events passed
+and the ones queued after it, two in the steady state. A load's events prove nothing of the others (a
+load is no reduction): they prune nothing.
 
 **Why reading an old version is right.** Version N's reads wait for version N's events only, never for a
 later one (N+1's follows N+1's updates, which wait for a reduction the requester has not joined: waiting
@@ -27,15 +31,10 @@ joined none (it is between steps until the last slice has come).
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import dataclass
 
-from ..pipeline.step_counts import HOST_RUN_AHEAD
 from .canonical import layout_fingerprint, sharded_slices
-
-KEPT = HOST_RUN_AHEAD + 1
-"""Published versions kept per optimizer: the newest and the HOST_RUN_AHEAD before it."""
 
 
 @dataclass(frozen=True)
@@ -48,27 +47,31 @@ class Published:
         slices: ``(shard, name)`` in the order the requester's builder takes them, the shards frozen
             as they were (``BucketShard.frozen``: their state tensors then, kept alive here).
         fingerprint: its layout's (canonical.layout_fingerprint).
+        by_step: published by ``step()`` (else by a load or ``attach``): whether its events passing
+            shows that every member of the shard group has gone past the versions before it.
     """
 
     version: int
     events: tuple
     slices: tuple
     fingerprint: int
+    by_step: bool = True
 
 
 class Versions:
-    """The last ``KEPT`` published versions of one optimizer; written by the training thread, read by
-    the server thread. Publishing costs a new record only where the shards' tensors changed (a
-    reshard, a pack, a load): otherwise the previous one's slices and fingerprint are shared."""
+    """The published versions of one optimizer that a request may still want (the module docstring),
+    oldest first; written by the training thread, read by the server thread. Publishing costs a new
+    record only where the shards' tensors changed (a reshard, a pack, a load): otherwise the previous
+    one's slices and fingerprint are shared."""
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.kept: collections.deque[Published] = collections.deque(maxlen=KEPT)
+        self.kept: list[Published] = []
         self.newest = -1  # the first publish, at attach, is version 0
         self._frozen: tuple = ()  # (key, slices, fingerprint) of the newest distinct state
         self.waiting = False
 
-    def publish(self, engine, events: tuple) -> None:
+    def publish(self, engine, events: tuple, by_step: bool = True) -> None:
         shards = engine.shards()
         key = tuple((id(s), tuple(id(p.state) for p in s.parts)) for s in shards)
         if not self._frozen or self._frozen[0] != key:  # the frozen dicts of the last key are alive: no id reuse
@@ -77,9 +80,18 @@ class Versions:
             self._frozen = (key, slices, layout_fingerprint(engine))
         with self.cond:
             self.newest += 1
-            self.kept.append(Published(self.newest, events, self._frozen[1], self._frozen[2]))
+            self.kept.append(Published(self.newest, events, self._frozen[1], self._frozen[2], by_step))
+            self._prune()
             if self.waiting:
                 self.cond.notify_all()
+
+    def _prune(self) -> None:
+        """Drop the versions before the newest one published by a step whose events have passed."""
+        for i in range(len(self.kept) - 1, 0, -1):
+            record = self.kept[i]
+            if record.by_step and all(event.query() for event in record.events):
+                del self.kept[:i]
+                return
 
     def get(self, version: int) -> Published | None:
         """Under ``cond``: the record of ``version`` if it is kept."""

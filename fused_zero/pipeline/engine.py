@@ -77,8 +77,8 @@ class Engine:
 
     Attributes (the main ones):
         params, group_of, pid_of: the parameters updated (requiring grad), their param group, their index.
-        steps / step_counts: each parameter's step count, on the host (replicated on every rank);
-            the last updates' counts are settled from device flags when next needed (step_counts.py).
+        steps / step_counts: each parameter's step count (replicated on every rank), kept and counted
+            on the device; ``steps`` reads it to the host, a wait only checkpoints make (step_counts.py).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
@@ -118,8 +118,8 @@ class Engine:
         topo = self.topology = Topology.build(ddp.process_group, self.options.shard_group, self.device)
         self.group, self.world, self.rank = topo.group, topo.world, topo.rank
         topo.check_reduce_dtype(self.options.grad_reduce_dtype, self.device)
-        self.step_counts = StepCounts(len(self.params))
         self.side = SideStream(self.device)
+        self.step_counts = StepCounts(len(self.params), self.side)
         self.iteration = _Iteration()
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         self.reduction = Reduction(self, ddp)
@@ -165,12 +165,13 @@ class Engine:
 
     @property
     def steps(self) -> np.ndarray:
-        """Each parameter's step count (numpy, writable in place), with every update so far counted."""
-        return self.step_counts.settled
+        """Each parameter's step count with every update so far counted: a host copy (reading it waits
+        for the device; write changes back with ``engine.steps = ...``)."""
+        return self.step_counts.host().copy()
 
     @steps.setter
-    def steps(self, value) -> None:  # ``engine.steps += 1`` (in place on the array, then assigned)
-        self.step_counts.replace(value)
+    def steps(self, value) -> None:  # ``engine.steps += 1`` (on the host copy, then assigned)
+        self.step_counts.write(value)
 
     def shards(self) -> list[BucketShard]:
         return self.registry.shards()
@@ -326,8 +327,7 @@ def _compile_for(e: Engine, dtype: torch.dtype, fmt: str) -> None:
     if e.options.keeps_master(dtype):
         state["master"] = one()
     scales = {name: one() for name in e.algo.state_names()} if moments == torch.uint8 else None
-    coefs = e.algo.coefficients(e._read_hparams(), np.zeros(1, dtype=np.int64), np.ones(1),
-                                np.zeros(1, dtype=bool), 1.0)
+    coefs = e.algo.coefficients(e._read_hparams(), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool), 1.0)
     coefs = e.side.upload(coefs)
     rows = [(0, 1, 0, 0, 0)]
     segments = Segments.build(rows, upload=e.side.upload)

@@ -128,6 +128,7 @@ class BucketShard:
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
+        self._device_pids: torch.Tensor | None = None
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.names = list(state_names) + (["master"] if master else [])
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
@@ -189,6 +190,7 @@ class BucketShard:
             if master is not None:
                 for so, n, po, *_ in part.rows:
                     master[so:so + n].copy_(self.param_buffer[po:po + n])
+
     def completed(self, buffer: torch.Tensor) -> torch.futures.Future:
         """A completed Future of ``buffer``, what the comm hook returns where DDP need not wait: made once
         per buffer and returned every iteration (DDP only waits on it and reads its value)."""
@@ -198,6 +200,13 @@ class BucketShard:
             fut.set_result(buffer)
             self._completed = done = (weakref.ref(buffer), fut)
         return done[1]
+
+    def device_pids(self, upload) -> torch.Tensor:
+        """``pids`` as int64 on the device (``upload``: the side stream's), uploaded at first use: the
+        step counts are added there (step_counts.py)."""
+        if self._device_pids is None:
+            self._device_pids = upload(torch.from_numpy(self.pids.astype(np.int64)))
+        return self._device_pids
 
     def wait_gather(self) -> None:
         """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""

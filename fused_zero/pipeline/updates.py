@@ -15,20 +15,18 @@ import numpy as np
 import torch
 
 from ..update.algorithms import UpdateArgs, clip_coefficient
-from ..update.formats import sr_keys
 from . import collectives
 from .profiling import range_push
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
-from .step_counts import Pending
 from .topology import post_update_groups
 
 
 @dataclass
 class Unit:
     """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets
-    whose updates end with it, with their device-side used flags (or None): a bucket's state may take
-    several launches (one per state format), and its all-gather starts after the last."""
+    whose updates end with it: a bucket's state may take several launches (one per state format), and
+    its all-gather starts after the last."""
 
     rows: list
     segments: object
@@ -54,6 +52,8 @@ class Updates:
         topo = engine.topology
         self.gather_group, self.check_group = post_update_groups(topo) \
             if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
+        self._groups: torch.Tensor | None = None
+        self._pids_kept: tuple = ((), None)
 
     @property
     def side(self):
@@ -84,55 +84,83 @@ class Updates:
                 self._update(it, group, max_norm)
 
     def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
-        """Every parameter's update scalars for this step, one row per parameter (host float32)."""
+        """Every parameter's update scalars for this step, one row per parameter, on the update's device:
+        the host's columns uploaded, the step counts' written there (update/step_columns.py)."""
         e = self.engine
-        steps = e.step_counts.settled + active
-        keys = sr_keys(e.options.seed, steps) if e.options.stochastic_rounding else 0
-        return e.algo.coefficients(hparams, e.group_of, steps, active, e.reduction.grad_div, keys)
+        host = e.algo.coefficients(hparams, e.group_of, active, e.reduction.grad_div)
+        table = self.side.upload(host)
+        with self.side.run(follow_current=False):
+            e.algo.fill_steps(table, hparams, e.step_counts, self._device_groups(),
+                              e.options.seed if e.options.stochastic_rounding else None, self.side.upload)
+        return table
 
-    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> tuple[torch.Tensor, tuple | None]:
+    def _device_groups(self) -> torch.Tensor:
+        """Each parameter's param group, int64 on the device (uploaded once)."""
+        if self._groups is None:
+            self._groups = self.side.upload(torch.from_numpy(np.asarray(self.engine.group_of, dtype=np.int64)))
+        return self._groups
+
+    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> torch.Tensor:
         """The table a bucket's update reads: the iteration's shared one (every row active), with this
         bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
-        the host knows that some parameter of the bucket got no gradient. With device flags, also the
-        started host copy of them (for the step counts)."""
+        the host knows that some parameter of the bucket got no gradient."""
         n = len(self.engine.params)
         if it.coefs is None:  # the iteration's first table, before any of its updates
-            self.engine.step_counts.settle()
-            it.coefs = self.side.upload(self._coefficient_table(it.hparams, np.ones(n)))
+            self.engine.step_counts.begin_iteration()
+            it.coefs = self._coefficient_table(it.hparams, np.ones(n))
         if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
             it.coefs[:, 0].index_copy_(0, pids, (used > 0).to(it.coefs.dtype))
-            return it.coefs, self.side.download(used)
+            return it.coefs
         if active.all():
-            return it.coefs, None
+            return it.coefs
         mask = np.ones(n)
         mask[shard.pids] = active
-        return self.side.upload(self._coefficient_table(it.hparams, mask)), None
+        return self._coefficient_table(it.hparams, mask)
 
     def _update(self, it, items: list[Reduced], max_norm: float | None = None) -> None:
         """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
         is written, on every rank, and their step counts stay)."""
         e = self.engine
-        coefs, used = zip(*(self._coefs_for(it, item.shard, item.active) for item in items))
+        coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
         for item in items:
             item.shard.wait_gather()
-        units = self._launch_units(it, items, coefs, used)
+        units = self._launch_units(it, items, coefs)
         found, clip = self._check(it, units, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
-        skipped = self.side.download(found)  # read at the next iteration: the kernels read ``found``
+        self._count(items, coefs, found)
         for unit in units:
             with range_push("fused_zero.update"):
                 e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                     unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
                     clip_coef=clip, scales=unit.scales or None, stochastic=e.options.stochastic_rounding,
                     blocks=unit.blocks))
-            for item, flags in unit.items:
-                shard = item.shard
-                shard.reduced_buffer = None
-                e.step_counts.add(Pending(shard.pids, None if flags is not None else item.active, flags, skipped))
-                self._start_gather(shard)  # a skipped update gathers the unchanged parameters
+            for item in unit.items:
+                item.shard.reduced_buffer = None
+                self._start_gather(item.shard)  # a skipped update gathers the unchanged parameters
 
-    def _launch_units(self, it, items: list[Reduced], coefs: tuple, used: tuple) -> list[Unit]:
+    def _count(self, items: list[Reduced], coefs: list, found: torch.Tensor) -> None:
+        """The step counts of ``items``' parameters, on the side stream (the next table reads them there):
+        one count per table, over the parameters of every bucket that read it (one in the steady state
+        of the backward and step modes, where the single launch updates every bucket)."""
+        by_table: dict[int, tuple] = {}
+        for item, table in zip(items, coefs):
+            by_table.setdefault(id(table), (table, []))[1].append(item.shard)
+        for table, shards in by_table.values():
+            self.engine.step_counts.count(self._device_pids(shards), table, found)
+
+    def _device_pids(self, shards: list[BucketShard]) -> torch.Tensor:
+        """The parameter indices of ``shards``, int64 on the device: one shard's own, or the last set's
+        (kept while the same shards come: the single launch's every step)."""
+        if len(shards) == 1:
+            return shards[0].device_pids(self.side.upload)
+        kept, pids = self._pids_kept
+        if len(kept) != len(shards) or any(a is not b for a, b in zip(kept, shards)):
+            pids = self.side.upload(torch.from_numpy(np.concatenate([s.pids for s in shards]).astype(np.int64)))
+            self._pids_kept = (shards, pids)
+        return pids
+
+    def _launch_units(self, it, items: list[Reduced], coefs: list) -> list[Unit]:
         """The launches that update ``items``: one per dtype and state format when the arenas hold
         exactly these shards and one coefficient table serves them all, else one per bucket and state
         format. The norm pass reads each bucket's gradients once, in the first launch of its bucket or
@@ -142,22 +170,22 @@ class Updates:
         table = self._one_table(it, items, coefs) if launches is not None else None
         if table is None:
             units = []
-            for item, t, flags in zip(items, coefs, used):
+            for item, t in zip(items, coefs):
                 s = item.shard
                 for k, part in enumerate(s.parts):
                     units.append(Unit(part.rows, part.segments, part.blocks, s.norm_rows if k == 0 else [],
                                       s.norm_segments if k == 0 else None, t, s.reduced_buffer, s.param_buffer,
-                                      part.state, part.scales, [(item, flags)] if k == len(s.parts) - 1 else []))
+                                      part.state, part.scales, [item] if k == len(s.parts) - 1 else []))
             return units
         units = [Unit(launch.rows, launch.segments, launch.blocks, launch.norm_rows, launch.norm_segments, table,
                       launch.grad(buffers), launch.arena.params, launch.fs.state, launch.fs.scales, [])
                  for launch, buffers in launches]
         last = {id(launch.arena): unit for (launch, _), unit in zip(launches, units)}
-        for item, flags in zip(items, used):
-            last[id(single.arenas[item.shard.param_buffer.dtype])].items.append((item, flags))
+        for item in items:
+            last[id(single.arenas[item.shard.param_buffer.dtype])].items.append(item)
         return units
 
-    def _one_table(self, it, items: list[Reduced], coefs: tuple) -> torch.Tensor | None:
+    def _one_table(self, it, items: list[Reduced], coefs: list) -> torch.Tensor | None:
         """One coefficient table for every bucket of the step (a parameter is in one bucket only): the
         iteration's shared one, or one built from the host's flags where some parameter is known to
         have no gradient; None where neither fits (then one launch per bucket)."""
@@ -168,7 +196,7 @@ class Updates:
         mask = np.ones(len(self.engine.params))
         for item in items:
             mask[item.shard.pids] = item.active
-        return self.side.upload(self._coefficient_table(it.hparams, mask))
+        return self._coefficient_table(it.hparams, mask)
 
     def _check(self, it, units: list[Unit], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the

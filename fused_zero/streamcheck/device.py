@@ -6,7 +6,8 @@ semantics: the collective is queued on its process group's communication stream 
 issued it, and ``wait()`` orders the *calling* stream after it (a stream wait, not a host wait), as
 ProcessGroupNCCL's Work does. Events carry a vector clock; ``synchronize()`` is a host wait, which
 orders every stream's later work after the event; ``query()`` answers True, as if the device were
-always done, and counts as the host observing the event (the same edge).
+always done (but for an event behind a collective another rank has not joined), and counts as the host
+observing the event (the same edge).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class ModeledEvent:
         self.vc = self.checker.clocks.snapshot(sid)
 
     def query(self) -> bool:
+        """True, as if the device were always done, except where it cannot be: behind a collective that
+        another rank has not joined (``pending``)."""
+        if self.pending:
+            return False
         if self.vc is not None:
             self.checker.clocks.host_sync(self.vc)
         return True

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..kernels import adam_coefficients, adam_step, grad_sumsq, sgd_coefficients, sgd_step
-from . import torch_ops
+from . import step_columns, torch_ops
 
 
 @dataclass
@@ -31,7 +31,12 @@ class UpdateArgs:
 
 
 class Algorithm:
-    """Base: subclasses define ``state_names``, ``check_group``, ``coefficients`` and ``_launch``."""
+    """Base: subclasses define ``state_names``, ``check_group``, ``coefficients``, ``_fill`` and
+    ``_launch``.
+
+    A coefficient table is made in two halves: ``coefficients`` on the host, from the param groups
+    (what the host knows without the device: the step-dependent columns hold placeholders), then
+    ``fill_steps`` on the device, from the step counts kept there (step_columns.py)."""
 
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
 
@@ -51,6 +56,16 @@ class Algorithm:
 
     def state_names(self) -> list[str]:
         raise NotImplementedError
+
+    def fill_steps(self, table: torch.Tensor, groups: list[dict], counts, group: torch.Tensor,
+                   sr_seed: int | None, upload) -> None:
+        """Write ``table``'s step-dependent columns on the device (queued where the caller is: the side
+        stream), from ``counts`` (pipeline.step_counts.StepCounts) and ``group``, each parameter's param
+        group on the device; ``sr_seed``: stochastic rounding's seed, or None without it."""
+        after = counts.after()
+        self._fill(table, groups, after, group, counts.bound, upload)
+        if sr_seed is not None:
+            step_columns.fill_sr_keys(table, after, sr_seed)
 
     def update(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
         if backend == "triton":
@@ -79,6 +94,7 @@ class AdamFamily(Algorithm):
 
     def __init__(self, param_groups, *, decoupled_default: bool):
         self.decoupled_default = decoupled_default
+        self._bias = step_columns.BiasTables()
         super().__init__(param_groups)
 
     def check_group(self, group: dict, i: int) -> None:
@@ -91,14 +107,18 @@ class AdamFamily(Algorithm):
     def state_names(self) -> list[str]:
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.flags["amsgrad"] else [])
 
-    def coefficients(self, groups: list[dict], group_idx: np.ndarray, step: np.ndarray,
-                     active: np.ndarray, grad_div: float, sr_keys=0) -> torch.Tensor:
+    def coefficients(self, groups: list[dict], group_idx: np.ndarray, active: np.ndarray,
+                     grad_div: float) -> torch.Tensor:
         pick = _per_param(groups, group_idx)
         return adam_coefficients(
             lr=pick(lambda g: g["lr"]), beta1=pick(lambda g: g["betas"][0]), beta2=pick(lambda g: g["betas"][1]),
-            eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=step,
+            eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=1,
             decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
-            grad_div=grad_div, active=active, sr_key=sr_keys)
+            grad_div=grad_div, active=active)
+
+    def _fill(self, table, groups, after, group, bound, upload) -> None:
+        lr = upload(torch.tensor([float(g["lr"]) for g in groups], dtype=torch.float64))
+        step_columns.fill_adam(table, after, group, lr.index_select(0, group), self._bias.get(groups, bound, upload))
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
@@ -125,16 +145,15 @@ class SGDAlgorithm(Algorithm):
     def state_names(self) -> list[str]:
         return ["momentum_buffer"] if self.has_momentum else []
 
-    def coefficients(self, groups, group_idx, step, active, grad_div, sr_keys=0) -> torch.Tensor:
+    def coefficients(self, groups, group_idx, active, grad_div) -> torch.Tensor:
         pick = _per_param(groups, group_idx)
-        momentum = pick(lambda g: g["momentum"])
-        # torch creates the buffer from the gradient on a parameter's first step; a group without
-        # momentum "creates" it every step, which makes the update plain SGD
-        first = (step <= 1) | (momentum == 0)
-        return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=momentum,
+        return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=pick(lambda g: g["momentum"]),
                                 dampening=pick(lambda g: g["dampening"]),
-                                weight_decay=pick(lambda g: g["weight_decay"]), first=first, grad_div=grad_div,
-                                active=active, sr_key=sr_keys)
+                                weight_decay=pick(lambda g: g["weight_decay"]), first=True, grad_div=grad_div,
+                                active=active)
+
+    def _fill(self, table, groups, after, group, bound, upload) -> None:
+        step_columns.fill_sgd(table, after)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         sgd_step(segments, coefs, grad=a.grad, param=a.param, momentum_buffer=a.state.get("momentum_buffer"),

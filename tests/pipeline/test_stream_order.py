@@ -11,8 +11,9 @@ another stream's use of it is not ordered before that stream.
   forms) between steps; and 8-bit moments in every overlap mode x both reductions. All of it with the
   process groups reporting what ``init_process_group("nccl")`` makes on a GPU machine, and a subset
   (every overlap mode once, bf16 reduction in one) for "cpu:gloo,cuda:nccl" and for no backend at all:
-  the code's own backend choices run (streamcheck/backends.py). Zero hazards, and in the steady state
-  no host synchronization but one event wait per iteration (the step counts, step_counts.py).
+  the code's own backend choices run (streamcheck/backends.py). Zero hazards, and no host
+  synchronization on the step path of any iteration (the step counts live on the device,
+  step_counts.py); the old wait for them, put back, is named.
 - Shard groups of 2 at four ranks and gradients reduced in bf16 (flat and sharded), every overlap mode x
   both reductions (``sharded_configs``): zero hazards too. Removing the side stream's wait for the
   reduce-scatter before the all-reduce across replicas is named, and so is a bf16 staging copy freed
@@ -155,18 +156,20 @@ def train(rank, cfg, checker, steps=STEPS, after_step=None):
 
 REFUSALS: list[str] = []
 """What rank 0's checkpoint in ``train`` was refused with, if it was (none as built)."""
-STEADY = ("step 4", "step 5")
-ALLOWED_SYNCS = ("event.synchronize()",)
+def step_path_syncs(checker) -> list:
+    """fused_zero's host synchronizations on the step path (DDP has its own): in every iteration, from
+    the forward to ``step()`` and ``zero_grad()``, the first ones and DDP's bucket rebuild included;
+    not in the checkpoints, whose reads the user asked for."""
+    return [s for s in checker.syncs if s[2].startswith("step ") and s[3]]
 
 
 def check_config(rank, cfg) -> str | None:
     with StreamChecker(cfg.get("pg_backend", "nccl")) as checker:
         skipped = train(rank, cfg, checker)
     problems = [str(h) for h in checker.hazards()] + [REFUSALS.pop() for _ in list(REFUSALS)]
-    syncs = [s for s in checker.syncs if s[2] in STEADY and s[3]]  # fused_zero's (DDP has its own)
-    bad = [s for s in syncs if s[0] not in ALLOWED_SYNCS]
-    if bad or len(syncs) > len(STEADY):
-        problems.append(f"host synchronizations in the steady state: {syncs}")
+    syncs = step_path_syncs(checker)
+    if syncs:
+        problems.append(f"host synchronizations on the step path: {syncs}")
     if cfg["scaler"] and skipped != 1:
         problems.append(f"skipped_steps is {skipped}, the inf on rank 1 at step 3 skipped 1")
     return "\n".join(problems) or None
@@ -431,11 +434,11 @@ class RunAhead:
         real_published, real_ready = serving.CheckpointPeers.published, serving.CheckpointPeers.ready_for
         ahead = self
 
-        def published(peers):
+        def published(peers, by_step=True):
             if ahead.undo is not None:
                 ahead.undo()
                 ahead.undo = None
-            real_published(peers)
+            real_published(peers, by_step)
 
         def ready_for(peers, version, fingerprint):
             out = real_ready(peers, version, fingerprint)
@@ -561,29 +564,61 @@ def _segments_built_blocking(real):
     return build_blocking
 
 
-def check_blocking_copies(rank, world):
+def _begin_with_a_host_wait(real):
+    def begin_with_a_host_wait(self):
+        """The step counts as they were kept (on the host, design.md's old edge 6): the iteration's first
+        coefficient table waited for the last updates' flags, copied to the host, with an event wait."""
+        _, event = self.side.download(self.counts)
+        if event is not None:
+            event.synchronize()
+        return real(self)
+    return begin_with_a_host_wait
+
+
+def check_host_syncs(rank, world):
     """The Triton backend (interpreted) in bucket mode, across the rebuild (new shards build their row
     tables inside the hook): every table reaches the device through the side stream's pinned uploads.
-    Then the same with the row tables copied the way they were (a blocking ``.to(device)``)."""
+    Then the same with the row tables copied the way they were (a blocking ``.to(device)``), and with
+    the step counts waited for as they were. Returns each run's host synchronizations."""
     from fused_zero.kernels import Segments
+    from fused_zero.pipeline.step_counts import StepCounts
 
     cfg = {**BASE, "param_sync": "step", "backend": "triton"}
     out = {}
-    for name in ("as built", "reverted"):
-        real = Segments.build
+    for name in ("as built", "reverted", "step counts waited for"):
+        real, begin = Segments.build, StepCounts.begin_iteration
         if name == "reverted":
             Segments.build = staticmethod(_segments_built_blocking(real))
+        if name == "step counts waited for":
+            StepCounts.begin_iteration = _begin_with_a_host_wait(begin)
         try:
             with StreamChecker() as checker:
                 train(rank, cfg, checker, steps=3)
             # a load copies the user's host dict into the regions: blocking by nature, and off the step path
             out[name] = [s for s in checker.syncs if s[3] and "blocking" in s[0] and "checkpoint" not in s[2]]
+            out[name, "step path"] = step_path_syncs(checker)
         finally:
             Segments.build = staticmethod(real) if name == "reverted" else real
+            StepCounts.begin_iteration = begin
     return out
 
 
-def test_no_blocking_copy_on_the_step_path():
-    as_built, reverted = (run_ranks(check_blocking_copies, 2)[0][k] for k in ("as built", "reverted"))
+@pytest.fixture(scope="module")
+def host_syncs():
+    return run_ranks(check_host_syncs, 2)[0]
+
+
+def test_no_blocking_copy_on_the_step_path(host_syncs):
+    runs = host_syncs
+    as_built, reverted = runs["as built"], runs["reverted"]
     assert as_built == [], as_built
     assert any(s[2].startswith("step") for s in reverted), reverted  # the hook's resharding builds tables
+
+
+def test_no_host_wait_on_the_step_path_and_the_old_step_count_wait_is_named(host_syncs):
+    """The step counts live on the device (step_counts.py): the step path of every iteration, the bucket
+    rebuild included, has no host synchronization; put back, the old wait for the counts is named."""
+    runs = host_syncs
+    assert runs["as built", "step path"] == [], runs["as built", "step path"]
+    waited = runs["step counts waited for", "step path"]
+    assert [s[0] for s in waited] == ["event.synchronize()"] * 3, waited

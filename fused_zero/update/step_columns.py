@@ -1,0 +1,87 @@
+"""The coefficient table's columns that depend on a parameter's step count, written on the device from
+the device's counts (pipeline/step_counts.py), so that building a table never waits for the device.
+
+They must be torch.optim's bit for bit. torch computes Adam's bias corrections on the host in float64
+(``1 - beta1 ** step``, ``(1 - beta2 ** step) ** 0.5``, ``lr / bias_correction1``) and rounds the
+results to float32 when its kernels take them. A device ``pow`` is not the host's (CUDA's and the CPU's
+vectorized one are within an ulp or two of it, not equal), so the powers are not computed there: the
+host tabulates both corrections per param group and step, in float64 with numpy's ``power`` as before,
+and the device gathers each parameter's entries by its count, then divides ``lr`` by the first in
+float64 (IEEE division, the same everywhere) and rounds to float32.
+
+The tables stay small: ``1 - beta ** t`` is exactly 1.0 in float64 once ``beta ** t`` falls below
+2**-54, from step ``saturation(beta)`` on (356 for 0.9, 37,412 for 0.999), and every later step reads
+that entry (the counts are clamped to it). Up to it a table covers the host's bound of the counts
+(``StepCounts.bound``) and doubles when that passes it, so a ``beta2`` of 0.9999999 costs what its
+steps so far need, not 16 bytes times its 3.7e8 steps up front.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..kernels import ADAM_COEFS, SGD_COEFS
+from .formats import _mix32
+
+
+def saturation(beta: float) -> int:
+    """The first step from which ``1 - beta ** step`` is 1.0 in float64 (it stays 1.0 after)."""
+    if beta <= 0.0:
+        return 1
+    t = max(1, math.ceil(54 * math.log(2) / -math.log(beta)))
+    while t > 1 and 1 - np.power(beta, float(t - 1)) == 1.0:
+        t -= 1
+    while 1 - np.power(beta, float(t)) != 1.0:
+        t += 1
+    return t
+
+
+class BiasTables:
+    """Adam's two bias corrections per param group and step, float64 on the device (``[G * (L + 1)]``,
+    step 0 unused), rebuilt only when a group's betas change or the counts outgrow ``L``."""
+
+    def __init__(self):
+        self.key, self.length, self.bc1, self.bc2_sqrt = None, -1, None, None
+
+    def get(self, groups: list[dict], bound: int, upload) -> tuple[int, torch.Tensor, torch.Tensor]:
+        betas = tuple(tuple(float(b) for b in g["betas"]) for g in groups)
+        full = max(saturation(b) for pair in betas for b in pair)
+        need = min(full, bound)
+        if betas != self.key or self.length < need:
+            grown = 2 * self.length if betas == self.key else 32
+            length = min(full, max(need, grown))
+            t = np.arange(length + 1, dtype=np.float64)
+            bc1 = np.stack([1 - np.power(b1, t) for b1, _ in betas])
+            bc2_sqrt = np.stack([np.power(1 - np.power(b2, t), 0.5) for _, b2 in betas])
+            self.key, self.length = betas, length
+            self.bc1 = upload(torch.from_numpy(bc1.reshape(-1)))
+            self.bc2_sqrt = upload(torch.from_numpy(bc2_sqrt.reshape(-1)))
+        return self.length, self.bc1, self.bc2_sqrt
+
+
+def fill_adam(table: torch.Tensor, after: torch.Tensor, group: torch.Tensor, lr: torch.Tensor,
+              bias: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+    """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``lr``: float64 per parameter)."""
+    length, bc1, bc2_sqrt = bias
+    at = group * (length + 1) + after.clamp(max=length).to(torch.int64)
+    table[:, ADAM_COEFS.index("neg_step_size")] = (lr / bc1.index_select(0, at)).neg_().to(torch.float32)
+    table[:, ADAM_COEFS.index("bc2_sqrt")] = bc2_sqrt.index_select(0, at).to(torch.float32)
+
+
+def fill_sgd(table: torch.Tensor, after: torch.Tensor) -> None:
+    """Column ``first`` of an SGD table: torch makes the momentum buffer from the gradient on a
+    parameter's first step; a group without momentum "makes" it every step (plain SGD)."""
+    no_momentum = table[:, SGD_COEFS.index("momentum")] == 0
+    table[:, SGD_COEFS.index("first")] = ((after <= 1) | no_momentum).to(torch.float32)
+
+
+def fill_sr_keys(table: torch.Tensor, after: torch.Tensor, seed: int) -> None:
+    """The last column (``sr_key`` of both tables): each parameter's stochastic-rounding key of this step,
+    kernels.sr_key's hash of (seed, step, parameter index), its 32 bits kept as the float32 column's."""
+    pid = torch.arange(table.shape[0], dtype=torch.int64, device=table.device)
+    step = after.to(torch.int64) & 0xFFFFFFFF
+    keys = _mix32((seed & 0xFFFFFFFF) ^ _mix32(pid ^ _mix32(step)))
+    table.view(torch.int32)[:, -1] = (keys - ((keys >> 31) << 32)).to(torch.int32)
