@@ -21,13 +21,13 @@ import torch
 
 class StepCounts:
     """Attributes:
-        counts: float64 ``[n_params]`` on the device, written on the side stream only.
+        counts: int64 ``[n_params]`` on the device, written on the side stream only.
         bound: the host's upper bound of every count (exact after a load or a read).
     """
 
     def __init__(self, n_params: int, side):
         self.side = side
-        self.counts = torch.zeros(n_params, dtype=torch.float64, device=side.device)
+        self.counts = torch.zeros(n_params, dtype=torch.int64, device=side.device)
         self.bound = 0
         self._host: np.ndarray | None = None  # the last read, until the counts change
 
@@ -44,8 +44,8 @@ class StepCounts:
     def count(self, pids: torch.Tensor, table: torch.Tensor, found: torch.Tensor) -> None:
         """Add one to the parameters ``pids`` (device indices) whose row of ``table`` is active, unless
         ``found`` (the update's skip flag) is set: on the side stream, after the update read the table."""
-        add = (table.index_select(0, pids)[:, 0] != 0) & (found == 0)
-        self.counts.index_add_(0, pids, add.to(torch.float64))
+        add = table[:, 0].index_select(0, pids).mul_(found == 0)  # column 0 is 1.0 where active, else 0.0
+        self.counts.index_add_(0, pids, add.to(torch.int64))
         self._host = None
 
     def host(self) -> np.ndarray:
@@ -53,7 +53,7 @@ class StepCounts:
         checkpoint or a reader of ``engine.steps`` asks)."""
         if self._host is None:
             self.side.join()
-            self._host = self.counts.cpu().numpy().copy()
+            self._host = self.counts.cpu().numpy().astype(np.float64)
             self._host.flags.writeable = False
             self.bound = int(self._host.max()) if self._host.size else 0
         return self._host
@@ -62,6 +62,6 @@ class StepCounts:
         """Set every count (a load), ordered after every update that counted before."""
         values = np.asarray(values, dtype=np.float64)
         with self.side.run(follow_current=True):
-            self.counts.copy_(self.side.upload(torch.from_numpy(values.copy())))
+            self.counts.copy_(self.side.upload(torch.from_numpy(values.astype(np.int64))))
         self.bound = int(values.max()) if values.size else 0
         self._host = None

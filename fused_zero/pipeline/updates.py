@@ -90,7 +90,7 @@ class Updates:
         host = e.algo.coefficients(hparams, e.group_of, active, e.reduction.grad_div)
         table = self.side.upload(host)
         with self.side.run(follow_current=False):
-            e.algo.fill_steps(table, hparams, e.step_counts, self._device_groups(),
+            e.algo.fill_steps(table, hparams, e.group_of, e.step_counts, self._device_groups(),
                               e.options.seed if e.options.stochastic_rounding else None, self.side.upload)
         return table
 

@@ -57,13 +57,14 @@ class Algorithm:
     def state_names(self) -> list[str]:
         raise NotImplementedError
 
-    def fill_steps(self, table: torch.Tensor, groups: list[dict], counts, group: torch.Tensor,
-                   sr_seed: int | None, upload) -> None:
+    def fill_steps(self, table: torch.Tensor, groups: list[dict], group_idx: np.ndarray, counts,
+                   group: torch.Tensor, sr_seed: int | None, upload) -> None:
         """Write ``table``'s step-dependent columns on the device (queued where the caller is: the side
-        stream), from ``counts`` (pipeline.step_counts.StepCounts) and ``group``, each parameter's param
-        group on the device; ``sr_seed``: stochastic rounding's seed, or None without it."""
+        stream), from ``counts`` (pipeline.step_counts.StepCounts) and each parameter's param group
+        (``group_idx`` on the host, ``group`` on the device); ``sr_seed``: stochastic rounding's seed, or
+        None without it."""
         after = counts.after()
-        self._fill(table, groups, after, group, counts.bound, upload)
+        self._fill(table, groups, group_idx, after, group, counts.bound, upload)
         if sr_seed is not None:
             step_columns.fill_sr_keys(table, after, sr_seed)
 
@@ -116,9 +117,9 @@ class AdamFamily(Algorithm):
             decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
             grad_div=grad_div, active=active)
 
-    def _fill(self, table, groups, after, group, bound, upload) -> None:
-        lr = upload(torch.tensor([float(g["lr"]) for g in groups], dtype=torch.float64))
-        step_columns.fill_adam(table, after, group, lr.index_select(0, group), self._bias.get(groups, bound, upload))
+    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
+        neg_lr = upload(torch.from_numpy(-_per_param(groups, group_idx)(lambda g: g["lr"])))
+        step_columns.fill_adam(table, after, neg_lr, self._bias.get(groups, bound, group, upload))
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
@@ -152,7 +153,7 @@ class SGDAlgorithm(Algorithm):
                                 weight_decay=pick(lambda g: g["weight_decay"]), first=True, grad_div=grad_div,
                                 active=active)
 
-    def _fill(self, table, groups, after, group, bound, upload) -> None:
+    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
         step_columns.fill_sgd(table, after)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:

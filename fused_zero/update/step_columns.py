@@ -14,6 +14,9 @@ The tables stay small: ``1 - beta ** t`` is exactly 1.0 in float64 once ``beta *
 that entry (the counts are clamped to it). Up to it a table covers the host's bound of the counts
 (``StepCounts.bound``) and doubles when that passes it, so a ``beta2`` of 0.9999999 costs what its
 steps so far need, not 16 bytes times its 3.7e8 steps up front.
+
+The fill is 9 small device ops per table (one table per iteration in the steady state) and the count 5
+per table read (one in backward and step modes): docs/performance.md has their host time.
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ def saturation(beta: float) -> int:
 
 
 class BiasTables:
-    """Adam's two bias corrections per param group and step, float64 on the device (``[G * (L + 1)]``,
-    step 0 unused), rebuilt only when a group's betas change or the counts outgrow ``L``."""
+    """Adam's two bias corrections per param group and step, float64 on the device: ``[G * (L + 1), 2]``
+    (``1 - beta1 ** t``, ``(1 - beta2 ** t) ** 0.5``; step 0 unused), rebuilt only when a group's betas
+    change or the counts outgrow ``L``; with each parameter's first row (``base``), so that a table's
+    fill gathers both corrections in one op."""
 
     def __init__(self):
-        self.key, self.length, self.bc1, self.bc2_sqrt = None, -1, None, None
+        self.key, self.length, self.both, self.base = None, -1, None, None
 
-    def get(self, groups: list[dict], bound: int, upload) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload) -> BiasTables:
         betas = tuple(tuple(float(b) for b in g["betas"]) for g in groups)
         full = max(saturation(b) for pair in betas for b in pair)
         need = min(full, bound)
@@ -54,21 +59,21 @@ class BiasTables:
             grown = 2 * self.length if betas == self.key else 32
             length = min(full, max(need, grown))
             t = np.arange(length + 1, dtype=np.float64)
-            bc1 = np.stack([1 - np.power(b1, t) for b1, _ in betas])
-            bc2_sqrt = np.stack([np.power(1 - np.power(b2, t), 0.5) for _, b2 in betas])
+            both = np.stack([np.stack([1 - np.power(b1, t), np.power(1 - np.power(b2, t), 0.5)], axis=-1)
+                             for b1, b2 in betas])
             self.key, self.length = betas, length
-            self.bc1 = upload(torch.from_numpy(bc1.reshape(-1)))
-            self.bc2_sqrt = upload(torch.from_numpy(bc2_sqrt.reshape(-1)))
-        return self.length, self.bc1, self.bc2_sqrt
+            self.both = upload(torch.from_numpy(both.reshape(-1, 2)))
+            self.base = group * (length + 1)
+        return self
 
 
-def fill_adam(table: torch.Tensor, after: torch.Tensor, group: torch.Tensor, lr: torch.Tensor,
-              bias: tuple[int, torch.Tensor, torch.Tensor]) -> None:
-    """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``lr``: float64 per parameter)."""
-    length, bc1, bc2_sqrt = bias
-    at = group * (length + 1) + after.clamp(max=length).to(torch.int64)
-    table[:, ADAM_COEFS.index("neg_step_size")] = (lr / bc1.index_select(0, at)).neg_().to(torch.float32)
-    table[:, ADAM_COEFS.index("bc2_sqrt")] = bc2_sqrt.index_select(0, at).to(torch.float32)
+def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, bias: BiasTables) -> None:
+    """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``neg_lr``: ``-lr`` per parameter,
+    float64: ``-lr / bc1`` is ``-(lr / bc1)`` in IEEE arithmetic); the copies into the float32 columns
+    round to nearest, as numpy's ``astype`` did."""
+    both = bias.both.index_select(0, after.clamp(max=bias.length).add_(bias.base))
+    table[:, ADAM_COEFS.index("neg_step_size")] = neg_lr / both[:, 0]
+    table[:, ADAM_COEFS.index("bc2_sqrt")] = both[:, 1]
 
 
 def fill_sgd(table: torch.Tensor, after: torch.Tensor) -> None:
@@ -82,6 +87,6 @@ def fill_sr_keys(table: torch.Tensor, after: torch.Tensor, seed: int) -> None:
     """The last column (``sr_key`` of both tables): each parameter's stochastic-rounding key of this step,
     kernels.sr_key's hash of (seed, step, parameter index), its 32 bits kept as the float32 column's."""
     pid = torch.arange(table.shape[0], dtype=torch.int64, device=table.device)
-    step = after.to(torch.int64) & 0xFFFFFFFF
+    step = after & 0xFFFFFFFF
     keys = _mix32((seed & 0xFFFFFFFF) ^ _mix32(pid ^ _mix32(step)))
     table.view(torch.int32)[:, -1] = (keys - ((keys >> 31) << 32)).to(torch.int32)

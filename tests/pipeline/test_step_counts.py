@@ -15,7 +15,7 @@ class _Counts:
     """StepCounts' interface over given counts (the columns read ``after()`` and ``bound``)."""
 
     def __init__(self, counts):
-        self.counts = torch.tensor(counts, dtype=torch.float64)
+        self.counts = torch.tensor(counts, dtype=torch.int64)
         self.bound = int(self.counts.max()) + 1
 
     def after(self):
@@ -33,7 +33,7 @@ COUNTS = [0, 1, 2, 31, 32, 33, 64, 355, 356, 357, 1852, 1853, 37411, 37412, 3741
 
 def _table(algo, groups, group_of, counts, seed=None):
     table = algo.coefficients(groups, group_of, np.ones(len(counts)), 1.0).clone()
-    algo.fill_steps(table, groups, _Counts(counts), torch.from_numpy(group_of), seed, lambda t: t)
+    algo.fill_steps(table, groups, group_of, _Counts(counts), torch.from_numpy(group_of), seed, lambda t: t)
     return table
 
 
