@@ -179,6 +179,8 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     engine.synchronize()
+    hold = engine.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    engine.holding = engine.holding or hold
     for shard in engine.shards():
         shard.init_master_from_params()
         filled = {name: shard.values("master") if name == "master" else
@@ -196,7 +198,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                     flat[piece.elem:piece.elem + piece.length])
         for name, region in filled.items():  # moments encoded in their format, as an update would
             if region is not shard.live(name):
-                shard.store_values(name, region)
+                shard.load_values(name, region, hold)
     steps = engine.steps
     for pid, saved in entries.items():
         steps[pid] = saved_step(engine, saved)

@@ -219,6 +219,8 @@ def _apply(engine, groups, values) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     steps = engine.steps
+    hold = engine.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    engine.holding = engine.holding or hold
     for shard in engine.shards():
         names = shard.names
         regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
@@ -239,5 +241,5 @@ def _apply(engine, groups, values) -> None:
                 regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
             if regions[name] is not shard.live(name):
-                shard.store_values(name, regions[name])
+                shard.load_values(name, regions[name], hold)
     engine.steps = steps

@@ -69,14 +69,39 @@ class Part:
 
     def store_region(self, name: str, x: torch.Tensor) -> None:
         """Encode this part's slots of region-shaped fp32 ``x`` into ``name``."""
-        t = self.state[name]
+        formats.store_values(self.state[name], self.scales.get(name), self.blocks, name, self._mine(x))
+
+    def _mine(self, x: torch.Tensor) -> torch.Tensor:
+        """This part's slots of region-shaped ``x``."""
         if self.region_shaped:
-            mine = x
-        else:
-            mine = torch.zeros(self.size, dtype=torch.float32, device=t.device)
-            for lo, at, n in self.spans:
-                mine[at:at + n] = x[lo:lo + n]
-        formats.store_values(t, self.scales.get(name), self.blocks, name, mine)
+            return x
+        mine = torch.zeros(self.size, dtype=torch.float32, device=x.device)
+        for lo, at, n in self.spans:
+            mine[at:at + n] = x[lo:lo + n]
+        return mine
+
+    def hold(self, name: str, x: torch.Tensor) -> None:
+        """Keep this part's slots of region-shaped fp32 ``x`` as ``name`` in fp32, unencoded, until
+        ``encode_held``: the kernels take the moments' format from their dtype, so the part updates in
+        fp32 meanwhile. New dicts: a version published before keeps what it was (checkpoint/versions.py)."""
+        self.state = {**self.state, name: self._mine(x).clone()}
+        self.scales = {k: v for k, v in self.scales.items() if k != name}
+
+    @property
+    def held(self) -> bool:
+        """Whether some moment is held in fp32 although the part's format is 8-bit."""
+        return DTYPES[self.format] == torch.uint8 and any(
+            t.dtype == torch.float32 for name, t in self.state.items() if name != "master")
+
+    def encode_held(self) -> None:
+        """Encode every held moment into the part's format, in the part's blocks."""
+        state, scales = dict(self.state), dict(self.scales)
+        for name, t in self.state.items():
+            if name != "master" and t.dtype == torch.float32:
+                state[name] = torch.zeros(self.size, dtype=torch.uint8, device=t.device)
+                scales[name] = torch.zeros(self.table.shape[0], dtype=torch.float32, device=t.device)
+                formats.store_values(state[name], scales[name], self.blocks, name, t)
+        self.state, self.scales = state, scales
 
 
 def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]:
@@ -117,6 +142,7 @@ class BucketShard:
         gather: the pending all-gather's Work, or None.
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
+        held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
@@ -128,7 +154,8 @@ class BucketShard:
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
-        self._device_pids: torch.Tensor | None = None
+        self._device_pids: tuple | None = None  # (device pids, their pinned source)
+        self.held = False  # some 8-bit moment held in fp32 since a load (load_values)
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.names = list(state_names) + (["master"] if master else [])
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
@@ -201,12 +228,12 @@ class BucketShard:
             self._completed = done = (weakref.ref(buffer), fut)
         return done[1]
 
-    def device_pids(self, upload) -> torch.Tensor:
-        """``pids`` as int64 on the device (``upload``: the side stream's), uploaded at first use: the
-        step counts are added there (step_counts.py)."""
+    def device_pids(self, side) -> torch.Tensor:
+        """``pids`` as int64 on the device, uploaded at first use (``side.upload_kept``): the step counts
+        are added there (step_counts.py)."""
         if self._device_pids is None:
-            self._device_pids = upload(torch.from_numpy(self.pids.astype(np.int64)))
-        return self._device_pids
+            self._device_pids = side.upload_kept(torch.from_numpy(self.pids.astype(np.int64)))
+        return self._device_pids[0]
 
     def wait_gather(self) -> None:
         """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""
@@ -236,6 +263,23 @@ class BucketShard:
         """Encode fp32 region values ``x`` into one state name, as an update would."""
         for part in self.parts:
             part.store_region(name, x)
+
+    def load_values(self, name: str, x: torch.Tensor, hold: bool) -> None:
+        """A checkpoint's fp32 region values ``x`` of one state name. ``hold``: 8-bit parts keep them in
+        fp32 until ``encode_held``, so that they are encoded once, in the blocks of the layout that
+        DDP's coming bucket rebuild makes (docs/compact-state.md, "An exact resume")."""
+        for part in self.parts:
+            if hold and name != "master" and DTYPES[part.format] == torch.uint8:
+                part.hold(name, x)
+                self.held = True
+            else:
+                part.store_region(name, x)
+
+    def encode_held(self) -> None:
+        for part in self.parts:
+            if part.held:
+                part.encode_held()
+        self.held = False
 
     def frozen(self) -> BucketShard:
         """A copy whose ``values`` read this shard's state tensors as they are now, whatever the shard

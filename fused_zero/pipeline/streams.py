@@ -136,6 +136,18 @@ class SideStream:
             copied.record(self.relay if relay else self.stream)
         return out
 
+    def upload_kept(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A host table that stays on the device as long as its layout (a shard's parameter indices):
+        copied on the side stream from a pinned buffer of its own, returned with it (keep both), so
+        that no ring buffer is waited for: the ring's ``event.query()`` observes the side stream's
+        progress up to the update kernels already queued there."""
+        if self.stream is None:
+            return table, None
+        with self.run(follow_current=False):
+            host = self.api.pinned_empty(table.shape, table.dtype)
+            host.copy_(table)
+            return self.api.to_device(host), host
+
     def download(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """Start copying ``t`` to host memory on the side stream; return the host tensor and the event
         to synchronize before reading it (None on the CPU: ``t`` itself)."""

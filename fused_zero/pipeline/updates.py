@@ -123,12 +123,14 @@ class Updates:
         is written, on every rank, and their step counts stay)."""
         e = self.engine
         coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
+        counted = self._counted(items, coefs)  # uploads first, before this call's kernels are queued
         for item in items:
             item.shard.wait_gather()
         units = self._launch_units(it, items, coefs)
         found, clip = self._check(it, units, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
-        self._count(items, coefs, found)
+        for pids, table in counted:  # on the side stream: the next table reads the counts there
+            e.step_counts.count(pids, table, found)
         for unit in units:
             with range_push("fused_zero.update"):
                 e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
@@ -139,26 +141,25 @@ class Updates:
                 item.shard.reduced_buffer = None
                 self._start_gather(item.shard)  # a skipped update gathers the unchanged parameters
 
-    def _count(self, items: list[Reduced], coefs: list, found: torch.Tensor) -> None:
-        """The step counts of ``items``' parameters, on the side stream (the next table reads them there):
-        one count per table, over the parameters of every bucket that read it (one in the steady state
-        of the backward and step modes, where the single launch updates every bucket)."""
+    def _counted(self, items: list[Reduced], coefs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(device pids, table)`` of the step counts ``items`` add: one per table, over the parameters
+        of every bucket that read it (one in the steady state of the backward and step modes, where the
+        single launch updates every bucket)."""
         by_table: dict[int, tuple] = {}
         for item, table in zip(items, coefs):
             by_table.setdefault(id(table), (table, []))[1].append(item.shard)
-        for table, shards in by_table.values():
-            self.engine.step_counts.count(self._device_pids(shards), table, found)
+        return [(self._device_pids(shards), table) for table, shards in by_table.values()]
 
     def _device_pids(self, shards: list[BucketShard]) -> torch.Tensor:
         """The parameter indices of ``shards``, int64 on the device: one shard's own, or the last set's
         (kept while the same shards come: the single launch's every step)."""
         if len(shards) == 1:
-            return shards[0].device_pids(self.side.upload)
+            return shards[0].device_pids(self.side)
         kept, pids = self._pids_kept
         if len(kept) != len(shards) or any(a is not b for a, b in zip(kept, shards)):
-            pids = self.side.upload(torch.from_numpy(np.concatenate([s.pids for s in shards]).astype(np.int64)))
+            pids = self.side.upload_kept(torch.from_numpy(np.concatenate([s.pids for s in shards]).astype(np.int64)))
             self._pids_kept = (shards, pids)
-        return pids
+        return pids[0]
 
     def _launch_units(self, it, items: list[Reduced], coefs: list) -> list[Unit]:
         """The launches that update ``items``: one per dtype and state format when the arenas hold

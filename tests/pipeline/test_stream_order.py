@@ -144,6 +144,9 @@ def train(rank, cfg, checker, steps=STEPS, after_step=None):
                     opt.state_dict()
                 except serving.CheckpointSyncError as e:  # noted; training goes on, with the other rank
                     REFUSALS.append(str(e))
+            if step == 1 and (cfg.get("state_format") == "8bit" or cfg.get("mixed")):
+                checker.phase = "checkpoint"  # before DDP's rebuild: 8-bit moments held in fp32 until it
+                opt.load_state_dict(opt.state_dict())
             if step == 2:  # a checkpoint between steps, both forms, after DDP's bucket rebuild
                 checker.phase = "checkpoint"
                 opt.load_state_dict(opt.state_dict())
