@@ -8,7 +8,8 @@ another stream's use of it is not ordered before that stream.
   refuses a scaler) x ``param_sync`` step/forward x ``find_unused_parameters``, across DDP's bucket
   rebuild (iteration 2), an injected inf on one rank (scaler runs), a user's ``scaler.unscale_`` and
   ``clip_grad_norm_`` where they are honored (step + all_reduce), and a checkpoint save and load (both
-  forms) between steps; and 8-bit moments in every overlap mode x both reductions. All of it with the
+  forms) between steps; and 8-bit moments in every overlap mode x both reductions (with a load before
+  the rebuild too, which holds them in fp32 until it). All of it with the
   process groups reporting what ``init_process_group("nccl")`` makes on a GPU machine, and a subset
   (every overlap mode once, bf16 reduction in one) for "cpu:gloo,cuda:nccl" and for no backend at all:
   the code's own backend choices run (streamcheck/backends.py). Zero hazards, and no host
