@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import traceback
@@ -115,6 +116,7 @@ def _worker(rank: int, world: int, tasks, results) -> None:
                     _stop_checkpoint_servers()
                 finally:
                     dist.destroy_process_group()
+                    gc.collect()  # what the call left in reference cycles (DDP, optimizers) holds its groups
             results.put((call, rank, "ok", payload))
         except BaseException:  # every failure must reach the parent, which then ends this pool
             results.put((call, rank, "error", traceback.format_exc()))

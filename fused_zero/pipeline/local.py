@@ -68,10 +68,10 @@ class LocalModule:
     def __init__(self, module: nn.Module):
         self.module = module
         self._comm_hooks: list = []
-        self.engine = None
+        self.comm_hook_state = None
 
     def register_comm_hook(self, state, hook) -> None:
-        self.engine = state
+        self.comm_hook_state = state
 
     def drive(self, engine) -> bool:
         """Hand ``engine`` this step's gradients, one bucket per dtype in registration order (the
