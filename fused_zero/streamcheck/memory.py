@@ -5,8 +5,8 @@ Split from the checker (checker.py) because it answers one question the ordering
 for host values computed from other host values, the tensor they were first made in (so a report
 names where the data came from, not the temporary a device operation read). A storage is known by its
 address together with a weak reference to it: the allocator reuses an address once its storage is
-dead, possibly before the finalizer that records the free has run, and the weak reference tells the
-two apart.
+dead, possibly before the weak reference's callback that records the free has run, and the weak
+reference tells the two apart.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Memory:
                 known = checker.clocks.storages.get(key)
                 if known is not None:
                     return known
-            if key in checker.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
+            if key in checker.clocks.storages:  # a freed storage's memory, reused before its callback ran
                 self._freed(key)
             sid = checker.host if host or checker.current is None else checker.current
             label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
