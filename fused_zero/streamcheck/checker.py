@@ -184,24 +184,24 @@ class StreamChecker:
             self._record(op, spans, sid, transfer)
 
     def _record(self, op: str, spans: list, sid: int | None, transfer: bool) -> None:
-        for t, _ in spans:
-            self.memory.register(t)
+        memory = self.memory
+        entries = [(t, w, memory.register(t)) for t, w in spans]  # each tensor's storage looked up once
         if sid is None:
-            written = [t for t, w in spans if w]
-            if written and all(self.memory.is_host(t) for t in written):  # the host writes host memory itself
-                device_reads = [t for t, w in spans if not w and not self.memory.is_host(t)]
+            written = [st for _, w, st in entries if w]
+            if written and all(st is not None and st.host for st in written):  # the host writes host memory
+                device_reads = [t for t, w, st in entries if not w and not (st is not None and st.host)]
                 if device_reads:  # a copy from the device into host memory: the host waits for it
                     self.host_read(device_reads[0], f"{op} of a device tensor into host memory", record=False)
                 sid = self.host
             else:
-                sid = self.host if all(self.memory.is_host(t) for t, _ in spans) else self.current
+                sid = self.host if all(st is not None and st.host for *_, st in entries) else self.current
         on_device = sid != self.host
         if not on_device and not self.in_training_thread():  # the server's host work: before its next
             sid = self.current  # stream operations, yet still host work (pageable memory is fine there)
         where = self.where()
         if on_device and not transfer:
-            for t, _ in spans:
-                if self.memory.is_pageable(t):
+            for t, _, st in entries:
+                if st is not None and st.host and not st.pinned and t.dim() > 0:  # Memory.is_pageable
                     self.clocks.host_read(t.untyped_storage().data_ptr(), *_span(t), sid, op, where)
         for key, lo, hi, write in _coalesce(spans):
             self.clocks.access(key, lo, hi, sid, write, op, where)
@@ -227,11 +227,12 @@ class StreamChecker:
         """The innermost frame outside torch and this checker: the line that queued the operation."""
         frame = sys._getframe(1)
         while frame is not None:
-            path = frame.f_code.co_filename
-            if not (path.startswith(_HERE) or path.startswith(_TORCH) or path.endswith(_PLUMBING)):
-                ours = path.startswith(_PACKAGE) or path.startswith(_KERNELS)
-                shown = os.path.relpath(path, os.path.dirname(_PACKAGE)) if ours else path
-                return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+            code = frame.f_code
+            shown = _SHOWN.get(code.co_filename)
+            if shown is None:
+                shown = _shown(code.co_filename)
+            if shown:
+                return f"{shown}:{frame.f_lineno} ({code.co_name})"
             frame = frame.f_back
         return "?"
 
@@ -307,6 +308,21 @@ def _ours(frame) -> bool:
 _PLUMBING = ("/contextlib.py", "/weakref.py")
 """Frames that only pass a call on (context managers, finalizers): the line that called them counts."""
 
+_SHOWN: dict[str, str] = {}
+"""A frame's file -> how ``where`` shows it ("" for a file it looks past): asked once per file, as
+``where`` runs for every operation."""
+
+
+def _shown(path: str) -> str:
+    if path.startswith(_HERE) or path.startswith(_TORCH) or path.endswith(_PLUMBING):
+        shown = ""
+    elif path.startswith(_PACKAGE) or path.startswith(_KERNELS):
+        shown = os.path.relpath(path, os.path.dirname(_PACKAGE))
+    else:
+        shown = path
+    _SHOWN[path] = shown
+    return shown
+
 _ASYNC_BY_DEFAULT = {collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather}
 """Collectives taking ``async_op`` (the others block their caller: modeled as a wait at once)."""
 
@@ -323,12 +339,18 @@ def _group_of(args, kwargs):
 def _span(t: torch.Tensor) -> tuple[int, int]:
     size = t.element_size()
     lo = t.storage_offset()
+    if t.is_contiguous():  # its elements end to end (numel > 0: empty tensors are not recorded)
+        return lo * size, (lo + t.numel()) * size
     hi = lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
     return lo * size, hi * size
 
 
 def _coalesce(spans):
     """``(storage key, lo, hi, write)`` for tensors, adjacent ranges of one storage merged."""
+    if len(spans) == 1:
+        t, write = spans[0]
+        yield (t.untyped_storage().data_ptr(), *_span(t), write)
+        return
     by_key: dict[tuple, list[tuple[int, int]]] = {}
     for t, write in spans:
         lo, hi = _span(t)

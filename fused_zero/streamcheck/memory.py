@@ -5,8 +5,8 @@ Split from the checker (checker.py) because it answers one question the ordering
 for host values computed from other host values, the tensor they were first made in (so a report
 names where the data came from, not the temporary a device operation read). A storage is known by its
 address together with a weak reference to it: the allocator reuses an address once its storage is
-dead, possibly before the finalizer that records the free has run, and the weak reference tells the
-two apart.
+dead, possibly before the weak reference's callback that records the free has run, and the weak
+reference tells the two apart.
 """
 
 from __future__ import annotations
@@ -30,23 +30,32 @@ class Memory:
         self._refs: dict = {}  # storage key -> weak reference to the storage registered there
 
     def register(self, t: torch.Tensor, host: bool = False, name: str | None = None, pinned: bool = False,
-                 origin: str = "") -> None:
-        """Know ``t``'s storage (allocated now, on the current stream, unless known already). ``origin``:
-        the host tensor a host-computed one derives from (named in reports: where the data was made)."""
+                 origin: str = "") -> Storage | None:
+        """Know ``t``'s storage (allocated now, on the current stream, unless known already); returns its
+        entry (None for a storage without memory). ``origin``: the host tensor a host-computed one derives
+        from (named in reports: where the data was made)."""
         checker = self.checker
         storage = t.untyped_storage()
         key = storage.data_ptr()
         with checker.lock:
-            if key == 0 or self.known(t) is not None:
-                return
-            if key in checker.clocks.storages:  # a freed storage's memory, reused before its finalizer ran
+            if key == 0:
+                return None
+            ref = self._refs.get(key)
+            if ref is not None and ref() is storage:
+                known = checker.clocks.storages.get(key)
+                if known is not None:
+                    return known
+            if key in checker.clocks.storages:  # a freed storage's memory, reused before its callback ran
                 self._freed(key)
             sid = checker.host if host or checker.current is None else checker.current
             label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
             label = f"{label} (made at {checker.where()}{f', from {origin}' if origin else ''})"
-            checker.clocks.storage(key, label, sid, host, pinned).origin = origin
-            ref = self._refs[key] = weakref.ref(storage)
-        weakref.finalize(storage, self._freed, key, ref)
+            st = checker.clocks.storage(key, label, sid, host, pinned)
+            st.origin = origin
+            # the weak reference's callback records the free (kept alive here; one replaced by a newer
+            # storage at the same address would only have found that one registered)
+            self._refs[key] = weakref.ref(storage, lambda ref, key=key: self._freed(key, ref))
+        return st
 
     def known(self, t: torch.Tensor) -> Storage | None:
         """``t``'s storage as registered, or None: unknown, or a dead storage's entry at the same address."""

@@ -24,6 +24,8 @@ _HOST_READS = {"tolist": "tensor.tolist()", "numpy": "tensor.numpy()", "cpu": "t
 
 
 def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common case, without flattening
+        return [value] if _has_storage(value) else []
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor) and _has_storage(v)]
 
 
@@ -115,6 +117,12 @@ def _to(checker, real):
 
 
 class DispatchCalls(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._disable_dynamo`` wrapper around every call: nothing is compiled under the checker,
+        and the wrapper cost as much as the rest of the checker's work per operation."""
+        return False
+
     def __init__(self, checker):
         super().__init__()
         self.checker = checker
@@ -125,49 +133,84 @@ class DispatchCalls(TorchDispatchMode):
         checker = self.checker
         if checker.is_paused():
             return out
-        schema = func._schema
-        name = str(func.overloadpacket.__name__)
-        if name in ("lift_fresh", "lift_fresh_copy"):  # Python data (an index list, a number) made a tensor
+        sig = _SIGNATURES.get(func) or _signature(func)
+        memory = checker.memory
+        if sig.lifts:  # Python data (an index list, a number) made a tensor
             for t in _tensors(out):
-                checker.memory.register(t, host=True, name=f"host data {tuple(t.shape)}")
+                memory.register(t, host=True, name=f"host data {tuple(t.shape)}")
             return out
         reads, writes, inputs = [], [], []
-        for argument, value in _arguments(schema, args, kwargs):
-            info = argument.alias_info
-            for t in _tensors(value):
-                inputs.append(t)
-                if info is not None and info.is_write:
-                    writes.append(t)
-                elif info is None and name not in _METADATA_ONLY:
-                    reads.append(t)
+        n_args = len(args)
+        for i, name, kw_only, kind in sig.arguments:
+            if kw_only or i >= n_args:
+                if name not in kwargs:
+                    continue
+                value = kwargs[name]
+            else:
+                value = args[i]
+            if isinstance(value, torch.Tensor):
+                found = (value,) if _has_storage(value) else ()
+            elif isinstance(value, (list, tuple)):
+                found = [v for v in value if isinstance(v, torch.Tensor) and _has_storage(v)]
+            else:
+                continue
+            inputs += found
+            if kind is _WRITE:
+                writes += found
+            elif kind is _READ:
+                reads += found
         fresh = []
         results = out if isinstance(out, (tuple, list)) else (out,)
-        for ret, value in zip(schema.returns, results):
-            if ret.alias_info is None:
+        for fresh_return, value in zip(sig.fresh_returns, results):
+            if fresh_return:
                 fresh += _tensors(value)
         # a 0-dim input (a wrapped number, a scalar) does not make an operation's output device memory,
         # as CUDA takes 0-dim CPU tensors anywhere; an operation of scalars and Python numbers only makes
         # a host scalar
         shaped = [t for t in inputs if t.dim()] or inputs
-        host = all(checker.memory.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
-        origin = checker.memory.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
+        host = all(memory.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
+        origin = memory.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
         for t in fresh:
-            checker.memory.register(t, host=host, origin=origin)
+            memory.register(t, host=host, origin=origin)
         # a copy from host memory into device memory is a transfer, not a device operation on host
         # memory: CUDA makes it from any host memory, with a host wait from pageable memory
-        transfer = name == "copy_" and not checker.memory.is_host(args[0]) and checker.memory.is_host(args[1])
-        if transfer and checker.memory.is_pageable(args[1]):
+        transfer = sig.copies and not memory.is_host(args[0]) and memory.is_host(args[1])
+        if transfer and memory.is_pageable(args[1]):
             checker.log_sync("blocking host-to-device copy (copy_ from pageable memory)")
-        checker.record(f"aten.{name}", reads=reads, writes=writes + fresh, transfer=transfer)
-        if name == "_local_scalar_dense" and reads and not checker.memory.is_host(reads[0]):
+        checker.record(sig.op, reads=reads, writes=writes + fresh, transfer=transfer)
+        if sig.reads_a_value and reads and not memory.is_host(reads[0]):
             checker.host_read(reads[0], "a device value read by the host (item(), bool(), float())", record=False)
         return out
 
 
-def _arguments(schema, args, kwargs):
-    for i, argument in enumerate(schema.arguments):
-        if argument.kwarg_only or i >= len(args):
-            if argument.name in kwargs:
-                yield argument, kwargs[argument.name]
-        else:
-            yield argument, args[i]
+_READ, _WRITE = "read", "write"
+
+
+class _Signature:
+    """What one aten operation's schema says, read once per operation (the schema's Python bindings
+    are slow to ask on every call): per argument, its position, name and whether its tensors are read
+    (no alias information), written (``Tensor(a!)``) or neither (a view's base, a factory's template);
+    per return, whether it is fresh memory (no alias information)."""
+
+    def __init__(self, func):
+        schema = func._schema
+        name = str(func.overloadpacket.__name__)
+        self.op = f"aten.{name}"
+        self.lifts = name in ("lift_fresh", "lift_fresh_copy")
+        self.copies = name == "copy_"
+        self.reads_a_value = name == "_local_scalar_dense"
+        self.arguments = []
+        for i, argument in enumerate(schema.arguments):
+            info = argument.alias_info
+            kind = _WRITE if info is not None and info.is_write else \
+                _READ if info is None and name not in _METADATA_ONLY else None
+            self.arguments.append((i, argument.name, argument.kwarg_only, kind))
+        self.fresh_returns = [ret.alias_info is None for ret in schema.returns]
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature(func) -> _Signature:
+    sig = _SIGNATURES[func] = _Signature(func)
+    return sig

@@ -48,25 +48,51 @@ def test_trainer_with_fused_zero(tmp_path):
     assert results[0]["fp16_scales"] == results[1]["fp16_scales"]
 
 
-def test_trainer_example_runs(tmp_path):
-    """examples/train_transformers.py under torchrun, as its docstring says."""
-    script = Path(__file__).resolve().parents[2] / "examples" / "train_transformers.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "last loss" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "out" / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
+_ONE_LAUNCH = """\
+import gc, os, runpy, sys
+
+# examples/train_transformers.py, then docs/integrations.md's code, each in a folder of its own (their
+# out/trainer_out) and as its own __main__; the second Trainer finds the first one's process group
+for folder, script in zip(("example", "docs"), sys.argv[1:]):
+    os.makedirs(folder, exist_ok=True)
+    os.chdir(folder)
+    runpy.run_path(script, run_name="__main__")
+    os.chdir("..")
+    gc.collect()  # the first run's optimizer and its checkpoint server go before the second starts
+    print(f"ran {folder}", flush=True)
+"""
 
 
-def test_readme_trainer_section_runs_as_written(tmp_path):
-    """docs/integrations.md's "The Hugging Face Trainer" code, under torchrun on 2 CPU processes."""
-    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+@pytest.fixture(scope="module")
+def trainer_scripts(tmp_path_factory):
+    """examples/train_transformers.py and docs/integrations.md's "The Hugging Face Trainer" code, both
+    under one torchrun launch of 2 CPU processes (a launch and the Trainer's imports cost more than
+    either run's 20 steps): the example first, then the docs' code."""
+    tmp = tmp_path_factory.mktemp("trainer_scripts")
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "integrations.md").read_text()
     section = page.split("## The Hugging Face Trainer", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "readme_trainer.py"
-    script.write_text(code)
+    docs = tmp / "readme_trainer.py"
+    docs.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    launcher = tmp / "both.py"
+    launcher.write_text(_ONE_LAUNCH)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert (tmp_path / "out" / "trainer_out" / "checkpoint-20" / "optimizer.pt").exists()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(launcher),
+           str(root / "examples" / "train_transformers.py"), str(docs)]
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
+    return tmp, done, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_trainer_example_runs(trainer_scripts):
+    """examples/train_transformers.py under torchrun, as its docstring says."""
+    tmp, done, tail = trainer_scripts
+    example = done.stdout.split("ran example", 1)[0]
+    assert "ran example" in done.stdout and "last loss" in example, tail
+    assert (tmp / "example" / "out" / "trainer_out" / "checkpoint-10" / "optimizer.pt").exists()
+
+
+def test_readme_trainer_section_runs_as_written(trainer_scripts):
+    """docs/integrations.md's "The Hugging Face Trainer" code, under torchrun on 2 CPU processes."""
+    tmp, done, tail = trainer_scripts
+    assert done.returncode == 0 and "ran docs" in done.stdout, tail
+    assert (tmp / "docs" / "out" / "trainer_out" / "checkpoint-20" / "optimizer.pt").exists()
