@@ -5,12 +5,12 @@ Whether an update counted depends on device flags: whether some rank found its g
 (then the update wrote nothing and counts no step) and, where DDP may skip parameters, which got a
 gradient on some rank (column 0 of the coefficient table, set from all-reduced flags on the device).
 So the side stream adds each update's counts right after it, from those flags, and the next
-coefficient table reads them there (``steps``); the host never learns them on the step path. It reads
+coefficient table reads them there (``after``); the host never learns them on the step path. It reads
 them only where it is asked to (``host``: a checkpoint, a reader of ``engine.steps``), and writes them
 on a load.
 
 What the host still knows is a bound: no count exceeds ``bound`` (each iteration adds one at most, a
-load sets them), which sizes the bias-correction tables (update/algorithms.py) without a read.
+load sets them), which sizes the bias-correction tables (update/step_columns.py) without a read.
 """
 
 from __future__ import annotations
