@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..options import ShardingOptions, collect_params
+from ..pipeline import rebuild
 from ..pipeline.strides import memory_order
 from ..pipeline.topology import world_and_rank
 from . import checks
@@ -179,7 +180,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     engine.synchronize()
-    hold = engine.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
     engine.holding = engine.holding or hold
     for shard in engine.shards():
         shard.init_master_from_params()

@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from ..pipeline import collectives
+from ..pipeline import collectives, rebuild
 from ..pipeline.layout import REPLICATED
 from ..pipeline.strides import memory_order
 from . import canonical, checks
@@ -219,7 +219,7 @@ def _apply(engine, groups, values) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     steps = engine.steps
-    hold = engine.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
     engine.holding = engine.holding or hold
     for shard in engine.shards():
         names = shard.names

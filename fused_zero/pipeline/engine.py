@@ -24,7 +24,7 @@ from ..kernels import Segments
 from ..options import ShardingOptions, collect_params, group_state_formats
 from ..update.algorithms import Algorithm, UpdateArgs
 from ..update.formats import DTYPES
-from . import hooks
+from . import hooks, rebuild
 from .amp import ScalerLink
 from .arena import SingleLaunch
 from .local import LocalModule
@@ -126,7 +126,7 @@ class Engine:
         self.updates = Updates(self)
         self.policy = StepPolicy(self)
         self.grad_sumsq: torch.Tensor | None = None
-        self.holding = False  # some shard holds 8-bit moments in fp32 since a load (rebuild_pending)
+        self.holding = False  # some shard holds 8-bit moments in fp32 since a load (rebuild.py)
         self.registry = ShardRegistry(
             self.params, state_names=algorithm.state_names(), keeps_master=self.options.keeps_master,
             upload=self.side.upload if self.backend == "triton" else None, device=self.device, topology=topo,
@@ -205,7 +205,7 @@ class Engine:
             self._start_iteration(it)  # joins the side stream: the previous iteration's copies may go
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
-        if shard.held and not self.rebuild_pending():  # DDP's buckets are final: encode once, before the update
+        if shard.held and not rebuild.pending(self):  # DDP's buckets are final: encode once, before the update
             shard.encode_held()
         with range_push("fused_zero.reduce"):
             reduced = self.reduction.start(shard, buffer)
@@ -281,7 +281,7 @@ class Engine:
             # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
             # it rebuilds them, must not overwrite what an update still reads
             self.side.join()
-        self._encode_held_if_final()
+        rebuild.encode_if_final(self)
         if edited_anywhere:
             self.policy.refuse_edit()
         if changed_anywhere:
@@ -301,28 +301,6 @@ class Engine:
             if self.scaler is not None and self.scaler.enabled:
                 self.scaler.publish(it.found_inf)
             self.skipped += it.found_inf.to(torch.int64).reshape(())
-
-    def rebuild_pending(self) -> bool:
-        """Whether DDP will still rebuild its buckets: once, at the forward after its first backward,
-        unless ``find_unused_parameters`` (without ``static_graph``) keeps its first layout. Until then a
-        load holds 8-bit moments in fp32 (shard.py ``load_values``): encoded now, they would be encoded
-        again into the rebuilt layout's blocks, rounded twice, and a resume would not be exact."""
-        ddp = self.ddp
-        if self.local or getattr(ddp, "_has_rebuilt_buckets", True):
-            return False
-        return bool(getattr(ddp, "static_graph", False) or not getattr(ddp, "find_unused_parameters", False))
-
-    def _encode_held_if_final(self) -> None:
-        """At the end of a step, once the compute stream follows the updates: the moments a load held in
-        fp32, encoded if no rebuild can come after all. (With one coming, DDP's next forward rebuilds
-        and ``on_bucket`` encodes them, in the new blocks, after the move; a shard is held only while a
-        rebuild is pending, so the arenas, packed once the buckets are stable, never see one.)"""
-        if not self.holding or self.rebuild_pending():
-            return
-        for shard in self.shards():
-            if shard.held:
-                shard.encode_held()
-        self.holding = False
 
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""

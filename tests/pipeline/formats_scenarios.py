@@ -141,9 +141,14 @@ def through_format(ref_opt, work, case: FormatCase, layout_blocks) -> None:
                     flat[lo:hi] = decode8(encode8(y, SIGNED[name]), SIGNED[name]) * s
 
 
-def train(case: FormatCase, rank: int, world: int, built=None, start: int = 1, steps: int | None = None):
+def train(case: FormatCase, rank: int, world: int, built=None, start: int = 1, steps: int | None = None,
+          held: bool = False):
+    """``held``: the optimizer has just loaded a checkpoint into DDP's first buckets, so its moments are
+    held in fp32 until DDP's rebuild (docs/compact-state.md, "An exact resume"): the oracle puts them
+    through no format in the first step; the next one's encodes them in the rebuilt layout's blocks."""
     model, ddp, opt, ref, ref_ddp, ref_opt, params, work = built or build(case)
     for step in range(start, start + (steps or case.steps)):
+        formatted = not (held and step == start)
         x, y = (t.to(case.device) for t in batch(step, 0, 0 if case.same_data else rank))
         F.cross_entropy(ddp(x, use_branch=True).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
         opt.step()
@@ -153,10 +158,12 @@ def train(case: FormatCase, rank: int, world: int, built=None, start: int = 1, s
         for p, w in zip(params, work):
             if w is not p:
                 w.grad = p.grad.float()
-        through_format(ref_opt, work, case, layout_blocks)  # a rebuild regroups the blocks
+        if formatted:
+            through_format(ref_opt, work, case, layout_blocks)  # a rebuild regroups the blocks
         ref_opt.step()
         ref_opt.zero_grad()
-        through_format(ref_opt, work, case, layout_blocks)
+        if formatted:
+            through_format(ref_opt, work, case, layout_blocks)
         with torch.no_grad():
             for pid, (p, w) in enumerate(zip(params, work)):
                 p.grad = None
