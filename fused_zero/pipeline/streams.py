@@ -148,16 +148,6 @@ class SideStream:
             host.copy_(table)
             return self.api.to_device(host), host
 
-    def download(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
-        """Start copying ``t`` to host memory on the side stream; return the host tensor and the event
-        to synchronize before reading it (None on the CPU: ``t`` itself)."""
-        if self.stream is None:
-            return t, None
-        with self.run(follow_current=False):
-            host = self.api.pinned_empty(t.shape, t.dtype)
-            self.api.to_host(t, host)
-            return host, self.stream.record_event()
-
 
 class _PinnedRing:
     """Pinned host buffers reused across uploads, a few per table shape.

@@ -9,10 +9,7 @@ storage dtype, with, for 8-bit moments, one fp32 scale per row of the shard's ke
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-
-from ..kernels import sr_key
 
 FORMATS = ("fp32", "bf16", "8bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
@@ -88,11 +85,6 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & 0xFFFFFFFF
     return x ^ (x >> 16)
-
-
-def sr_keys(seed: int, steps: np.ndarray) -> np.ndarray:
-    """Every parameter's rounding key of this step (step counts after it), by optimizer index."""
-    return np.array([sr_key(seed, int(step), pid) for pid, step in enumerate(steps)], dtype=np.int64)
 
 
 # ---------------------------------------------------------------------- whole regions

@@ -49,14 +49,17 @@ class BiasTables:
     fill gathers both corrections in one op."""
 
     def __init__(self):
-        self.key, self.length, self.both, self.base = None, -1, None, None
+        self.key, self.full, self.length, self.both, self.base = None, 0, -1, None, None
 
     def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload) -> BiasTables:
         betas = tuple(tuple(float(b) for b in g["betas"]) for g in groups)
-        full = max(saturation(b) for pair in betas for b in pair)
+        same = betas == self.key
+        if not same:  # the saturation steps, searched once per set of betas, not every table
+            self.full = max(saturation(b) for pair in betas for b in pair)
+        full = self.full
         need = min(full, bound)
-        if betas != self.key or self.length < need:
-            grown = 2 * self.length if betas == self.key else 32
+        if not same or self.length < need:
+            grown = 2 * self.length if same else 32
             length = min(full, max(need, grown))
             t = np.arange(length + 1, dtype=np.float64)
             both = np.stack([np.stack([1 - np.power(b1, t), np.power(1 - np.power(b2, t), 0.5)], axis=-1)

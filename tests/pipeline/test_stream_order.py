@@ -572,9 +572,11 @@ def _begin_with_a_host_wait(real):
     def begin_with_a_host_wait(self):
         """The step counts as they were kept (on the host, design.md's old edge 6): the iteration's first
         coefficient table waited for the last updates' flags, copied to the host, with an event wait."""
-        _, event = self.side.download(self.counts)
-        if event is not None:
-            event.synchronize()
+        side = self.side
+        if side.stream is not None:
+            with side.run(follow_current=False):
+                side.api.to_host(self.counts, side.api.pinned_empty(self.counts.shape, self.counts.dtype))
+                side.stream.record_event().synchronize()
         return real(self)
     return begin_with_a_host_wait
 
