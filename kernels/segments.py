@@ -184,22 +184,31 @@ class Segments:
 
 def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
     """Cut vector rows into pieces of at most BLOCK elements and scalar rows into pieces of at most
-    SCALAR_BLOCK (vectorised; no Python loop per row).
+    SCALAR_BLOCK (vectorised; no Python loop per row), at a grid in each parameter's own element space.
 
-    BLOCK is a multiple of VEC, so the pieces of an aligned row stay aligned.
+    The cuts fall where ``elem`` is a multiple of the limit (SCALAR_BLOCK for scalar rows; BLOCK plus
+    the row's phase ``elem % VEC`` for vector rows, so every piece stays aligned): counted from the
+    parameter's element 0, not from the row's start. Two layouts of one parameter then cut it into
+    the same rows wherever neither has a shard edge (or another piece boundary) and its vector phase is
+    the same, and the 8-bit blocks, one per row, stay the same blocks: a reshard re-encodes only the
+    blocks an edge cuts (fused_zero/pipeline/registry.py). A row gains at most one piece by it.
     """
     if host.shape[0] == 0:
         return host.contiguous()
-    limit = torch.where(host[:, VECTOR] == 1, BLOCK, SCALAR_BLOCK)
-    if bool((host[:, 1] <= limit).all()):
+    vector = host[:, VECTOR] == 1
+    limit = torch.where(vector, BLOCK, SCALAR_BLOCK)
+    elem = host[:, 5]
+    into = (elem - torch.where(vector, elem % VEC, 0)) % limit  # the row's start within its grid cell
+    if bool((into + host[:, 1] <= limit).all()):
         return host.contiguous()
-    pieces = (host[:, 1] + limit - 1) // limit
+    pieces = (into + host[:, 1] + limit - 1) // limit
     rep = torch.repeat_interleave(host, pieces, dim=0)
-    rep_limit = torch.repeat_interleave(limit, pieces)
+    rep_limit, rep_into = torch.repeat_interleave(limit, pieces), torch.repeat_interleave(into, pieces)
     first = torch.repeat_interleave(torch.cumsum(pieces, 0) - pieces, pieces)
     k = torch.arange(rep.shape[0]) - first  # index of the piece within its row
-    shift = k * rep_limit
+    shift = torch.clamp(k * rep_limit - rep_into, min=0)
+    end = torch.minimum((k + 1) * rep_limit - rep_into, rep[:, 1])
     out = rep.clone()
     out[:, [0, 2, 3, 5]] += shift[:, None]
-    out[:, 1] = torch.minimum(rep[:, 1] - shift, rep_limit)
+    out[:, 1] = end - shift
     return out.contiguous()

@@ -20,6 +20,7 @@ from fused_zero.kernels import (
     adam_coefficients,
     adam_step,
     grad_sumsq,
+    row_table,
     sgd_coefficients,
     sgd_step,
     vector_elements,
@@ -393,14 +394,39 @@ def test_segments_cut_aligned_middles_and_ragged_ends():
     # offsets 1, 5, 9 agree modulo 4 (4, 20 and 36 bytes into a 16-byte vector of fp32): a 3-element
     # head, an aligned middle split at BLOCK, a 1-element tail
     # (columns: shard, length, param, grad, pid, elem: the index in the parameter, vector, block: the
-    # row's number); the piece starts at element 10 of its parameter
+    # row's number); the piece starts at element 10 of its parameter, whose vector phase is 1 (element
+    # 13 is aligned), so the middle is cut at the parameter's elements 2049 and 4097 (BLOCK + the phase)
     rows = Segments.build([(1, 5000, 5, 9, 0, 10)]).rows.tolist()
-    assert rows == [[1, 3, 5, 9, 0, 10, 0, 0], [4, 2048, 8, 12, 0, 13, 1, 1], [2052, 2048, 2056, 2060, 0, 2061, 1, 2],
-                    [4100, 900, 4104, 4108, 0, 4109, 1, 3], [5000, 1, 5004, 5008, 0, 5009, 0, 4]]
+    assert rows == [[1, 3, 5, 9, 0, 10, 0, 0], [4, 2036, 8, 12, 0, 13, 1, 1], [2040, 2048, 2044, 2048, 0, 2049, 1, 2],
+                    [4088, 912, 4092, 4096, 0, 4097, 1, 3], [5000, 1, 5004, 5008, 0, 5009, 0, 4]]
     # a piece shorter than its head, and one that is all middle (five columns: elem 0)
     assert Segments.build([(2, 1, 6, 2, 3), (8, 8, 0, 4, 1)]).rows.tolist() == [
         [2, 1, 6, 2, 3, 0, 0, 0], [8, 8, 0, 4, 1, 0, 1, 1]]
     assert vector_elements([(1, 5000, 5, 9, 0), (0, 10, 1, 0, 1)]) == (4996, 5010)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9000), st.integers(0, 9000), st.integers(0, 3), st.integers(0, 3))
+def test_rows_are_cut_at_the_parameters_grid_so_a_shard_edge_changes_only_its_own_rows(numel, edge, phase, shift):
+    """A parameter of ``numel`` elements at offset ``phase`` of its buffers, whole in one shard, and cut
+    by a shard edge at element ``edge`` (the second shard's state shifted by ``shift``): every row of
+    the cut layout that holds neither side of the edge is a row of the whole one, with the same
+    elements (what lets a reshard keep an 8-bit block's codes, registry.py)."""
+    edge = min(edge, numel)
+    whole = row_table([(phase, numel, phase, phase, 0, 0)])
+    cut = row_table([(phase, edge, phase, phase, 0, 0),
+                     (4096 + shift, numel - edge, phase + edge, phase + edge, 0, edge)])
+
+    def runs(table):
+        return {(e, n) for e, n in table[:, [5, 1]].tolist()}
+
+    whole_runs, cut_runs = runs(whole), runs(cut)
+    # rows of the whole layout away from the edge (and its vector head, tail: VEC elements each side)
+    far = {(e, n) for e, n in whole_runs if e + n < edge - 2 * VEC or e > edge + 2 * VEC}
+    assert {r for r in far if r[0] + r[1] <= edge} <= cut_runs  # before the edge: never moved
+    if (phase + edge - (4096 + shift)) % VEC == 0:  # the second shard keeps the vector phase
+        assert far <= cut_runs
+    assert sum(n for _, n in cut_runs) == numel and sum(n for _, n in whole_runs) == numel
 
 
 @settings(max_examples=80, deadline=None)
