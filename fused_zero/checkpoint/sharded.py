@@ -55,14 +55,56 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ..pipeline import collectives, rebuild
 from ..pipeline.layout import REPLICATED
 from ..pipeline.strides import memory_order
+from ..update.formats import SIGNED, decode8
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
-FORMAT = 2
+FORMAT = 3
 """The DCP form's version (module docstring, "Formats"); raise it with any change a reader must know of."""
 
-READS = (1, 2)
+READS = (1, 2, 3)
 """The formats ``load_sharded_state_dict`` reads."""
+
+STORED = {torch.uint8: "8bit", torch.bfloat16: "bf16"}
+"""The compact moments' dtypes, as the checkpoint names their formats (``"stored"``)."""
+
+
+class _Stored(LocalShardsWrapper):
+    """A rank's chunks of one compact moment: written as stored (8-bit codes, bf16), received in fp32.
+
+    One dict serves ``dcp.save`` and ``dcp.load``, as torch's own state dicts do, and a load must take
+    any format a checkpoint holds (fp32 moments into an 8-bit optimizer, a format-2 checkpoint's decoded
+    ones): a uint8 chunk would truncate them. DCP asks a checkpointable object for write items only to
+    save (``__create_write_items__``) and for its chunk list only to load (``__create_chunk_list__``),
+    so the chunk list allocates fp32 chunks to receive into, and ``__get_tensor_shard__`` hands those
+    out unless the object is being saved. fp32 holds every 8-bit code and bf16 value exactly; the codes
+    are decoded with the saved scales in ``load_sharded_state_dict``.
+    """
+
+    @staticmethod
+    def __new__(cls, chunks, offsets):
+        out = LocalShardsWrapper.__new__(cls, chunks, offsets)
+        out.received, out.saving = None, False
+        return out
+
+    def __create_write_items__(self, fqn, obj):
+        self.saving = True
+        return super().__create_write_items__(fqn, obj)
+
+    def __create_chunk_list__(self):
+        if self.received is None:
+            self.received = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in self.local_shards()]
+        return super().__create_chunk_list__()
+
+    def __get_tensor_shard__(self, index):
+        shard = super().__get_tensor_shard__(index)
+        if self.saving or self.received is None:
+            return shard
+        return next(r for t, r in zip(self.local_shards(), self.received) if t is shard)
+
+    def chunks(self) -> list[torch.Tensor]:
+        """What this rank holds: the chunks received by a load, else the stored ones."""
+        return self.received if self.received is not None else self.local_shards()
 
 
 def _owner(owner: int) -> int:
@@ -74,16 +116,19 @@ def _owned(runs: list, me: int) -> list[tuple[int, int, int]]:
     return [(lo, hi, off) for lo, hi, owner, off in runs if _owner(owner) == me]
 
 
-def _tensor(chunks: list, starts: list[int], numel: int, mesh, device: torch.device) -> torch.Tensor:
+def _tensor(chunks: list, starts: list[int], numel: int, mesh, device: torch.device,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A flat tensor of ``numel`` elements of which this rank holds ``chunks`` (copies), starting at
     ``starts``: a DTensor on ``mesh``; a plain tensor, the whole of it, where there is no process group
-    (one process: every chunk is this rank's)."""
+    (one process: every chunk is this rank's). ``dtype``: the chunks', compact (``_Stored``) or fp32."""
     if mesh is None:
-        return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.float32, device=device)
+        return torch.cat(chunks) if chunks else torch.zeros(0, dtype=dtype, device=device)
     if not chunks:
-        chunks, starts = [torch.zeros(0, dtype=torch.float32, device=device)], [numel]
-    local = LocalShardsWrapper(chunks, [(s,) for s in starts])
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+        chunks, starts = [torch.zeros(0, dtype=dtype, device=device)], [numel]
+    local = (_Stored if dtype in STORED else LocalShardsWrapper)(chunks, [(s,) for s in starts])
+    out = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    out._local_tensor = local  # from_local keeps a view, a plain LocalShardsWrapper: DCP must see ours
+    return out
 
 
 def _chunks(value, runs: list, numel: int) -> dict[int, torch.Tensor]:
@@ -92,9 +137,10 @@ def _chunks(value, runs: list, numel: int) -> dict[int, torch.Tensor]:
         if tuple(value.shape) != (numel,):
             raise StateDictError(f"a tensor of shape {tuple(value.shape)} where the flat state of {numel} "
                                  "elements belongs")
-        return {lo: value[lo:hi] for lo, hi, _ in runs}
-    local = value.to_local()
-    return {start[0]: t for t, start in zip(local.local_shards(), local.local_offsets()) if t.numel()}
+        return {lo: value[lo:hi].float() for lo, hi, _ in runs}
+    local = value._local_tensor
+    held = local.chunks() if isinstance(local, _Stored) else local.local_shards()
+    return {start[0]: t.float() for t, start in zip(held, local.local_offsets()) if t.numel()}
 
 
 def _state_key(name: str) -> str:
@@ -118,27 +164,87 @@ def _describe(engine) -> dict:
 
 
 def sharded_state_dict(engine) -> dict:
-    """A collective only in that every rank must call it (no communication happens)."""
+    """A collective: every rank must call it. The 8-bit moments' scales travel in the ``fused_zero``
+    entry, which DCP writes once, from one rank, so every rank must hold all of them: one
+    ``all_gather_object`` of the blocks' first elements and scales (12 bytes a block) in the shard
+    group; nothing else is communicated."""
     engine.synchronize()
     index = canonical.param_index(engine.opt)
-    state, decoded = {}, {}
+    state, regions = {}, {}
     group = engine.topology.shard_group
     mesh = None if group is None else DeviceMesh.from_group(group, engine.device.type)
+    stored, blocks = {}, {}
     for pid, p in enumerate(engine.params):
         shard, local = engine.registry.where[pid]
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
         step = float(engine.step_counts.host()[pid])
         entry = {"step": torch.tensor(step, dtype=torch.float32, device="cpu")}  # torch.optim's
-        if id(shard) not in decoded:
-            decoded[id(shard)] = {name: shard.values(name) for name in shard.names}
-        for name, region in decoded[id(shard)].items():
-            live = region is shard.live(name)  # fp32: copies; decoded: views of the decoded copy
+        if id(shard) not in regions:
+            regions[id(shard)] = _regions(shard, compact=mesh is not None)
+        for name, region in regions[id(shard)].items():
+            live = region is shard.live(name)  # fp32: copies; else views of the region's copy
             chunks = [region[off:off + hi - lo].clone() if live and mesh is not None else region[off:off + hi - lo]
                       for lo, hi, off in mine]
-            entry[_state_key(name)] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device)
+            key = _state_key(name)
+            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device, region.dtype)
+            if region.dtype in STORED:
+                stored.setdefault(index[id(p)], {})[key] = STORED[region.dtype]
         state[index[id(p)]] = entry
+    if mesh is not None:
+        blocks = _gather_blocks(engine, index, group)
+    describe = dict(_describe(engine), stored=stored, blocks=blocks)
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
-    return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), _describe(engine))}
+    return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), describe)}
+
+
+def _regions(shard, compact: bool) -> dict[str, torch.Tensor]:
+    """Each state name's region: as stored where one format holds it (8-bit codes, bf16), else decoded
+    to fp32 (one fp32 copy; the fp32 state itself where it is one tensor). ``compact`` False (one process,
+    no DTensor to receive into fp32): every region decoded."""
+    out = {}
+    for name in shard.names:
+        dtypes = {part.state[name].dtype for part in shard.parts}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        if compact and dtype in STORED:
+            out[name] = torch.zeros(shard.layout.region_size, dtype=dtype, device=shard.device)
+            for part in shard.parts:
+                part.region_stored(name, out[name])
+        else:
+            out[name] = shard.values(name)
+    return out
+
+
+def _gather_blocks(engine, index, group) -> dict:
+    """``(parameter index, state key) -> (first elements, scales)`` of every 8-bit block of every rank
+    of the shard group, in element order: each rank sends the rows of its own runs (the tail's are rank
+    0's, as its chunks are)."""
+    mine: dict[tuple, list] = {}
+    for shard in engine.shards():
+        me, layout = shard.layout.rank, shard.layout
+        for part in shard.parts:
+            names = [n for n, t in part.state.items() if t.dtype == torch.uint8]
+            if not names:
+                continue
+            table = part.table
+            if layout.tail and me != 0:
+                table = table[part.region_offsets(table[:, 0]) < layout.region_tail(me)[0]]
+            i_of = torch.tensor([index[id(engine.params[pid])] for pid in table[:, 4].tolist()], dtype=torch.int64)
+            order = torch.argsort(i_of, stable=True)
+            keys, counts = torch.unique_consecutive(i_of[order], return_counts=True)
+            for name in names:
+                scales = part.scales[name].index_select(0, table[:, 7].to(part.scales[name].device)).cpu()
+                for i, rows in zip(keys.tolist(), torch.split(order, counts.tolist())):
+                    mine.setdefault((i, _state_key(name)), []).append((table[rows, 5], scales[rows]))
+    gathered: dict[tuple, list] = {}
+    for every in collectives.all_gather_object(mine, group):
+        for key, parts in every.items():
+            gathered.setdefault(key, []).extend(parts)
+    out = {}
+    for key, parts in gathered.items():
+        starts = torch.cat([s for s, _ in parts])
+        order = torch.argsort(starts)
+        out[key] = (starts[order], torch.cat([v for _, v in parts])[order])
+    return out
 
 
 def load_sharded_state_dict(engine, sd) -> None:
@@ -199,6 +305,9 @@ def _check(engine, sd):
                                      "sharded_state_dict() again after the buckets changed")
             flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else \
                 torch.zeros(0, dtype=torch.float32, device=engine.device)
+            if saved.get("stored", {}).get(i, {}).get(_state_key(name)) == "8bit":
+                flat = _decoded(flat, mine_runs, saved.get("blocks", {}).get((i, _state_key(name))), p.numel(),
+                                name, where)
             local[_state_key(name)] = flat
             if name == "master" and mine_runs and float(step) > 0:
                 params = memory_order(p.detach(), p)
@@ -211,6 +320,23 @@ def _check(engine, sd):
                                  required)
         values[pid] = local
     return groups, values
+
+
+def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, where: str) -> torch.Tensor:
+    """8-bit codes (received in fp32) of a parameter's ``runs``, decoded with the saved blocks' scales:
+    the values the saving optimizer held, bit for bit (``formats.values``' product)."""
+    if blocks is None:
+        raise StateDictError(f"{where}: its 8-bit {name!r} has no block scales in the checkpoint")
+    starts, scales = blocks
+    if not (starts.numel() and starts.numel() == scales.numel() and int(starts[0]) == 0
+            and bool((starts[1:] > starts[:-1]).all()) and int(starts[-1]) < numel):
+        raise StateDictError(f"{where}: the checkpoint's 8-bit blocks of {name!r} do not tile its {numel} elements")
+    if not bool(((codes >= 0) & (codes <= 255) & (codes == codes.round())).all()):
+        raise StateDictError(f"{where}: its {name!r} should hold 8-bit codes and holds other values")
+    elems = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi, _ in runs]) if runs else \
+        torch.zeros(0, dtype=torch.int64)
+    block = (torch.searchsorted(starts, elems, right=True) - 1).to(codes.device)
+    return decode8(codes.to(torch.uint8), SIGNED[name]) * scales.to(codes.device).index_select(0, block)
 
 
 def _apply(engine, groups, values) -> None:

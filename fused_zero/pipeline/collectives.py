@@ -81,6 +81,13 @@ def broadcast(t: torch.Tensor, src: int, group):
     return dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
 
 
+def all_gather_object(obj, group) -> list:
+    """Every rank's picklable ``obj``, in the ranks' order of ``group``."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def backend_of(group, device: torch.device) -> str:
     """The backend that runs ``group``'s collectives on ``device``'s tensors ("gloo", "nccl", ...).
 

@@ -67,6 +67,20 @@ class Part:
         for lo, at, n in self.spans:
             out[lo:lo + n] = v[at:at + n]
 
+    def region_stored(self, name: str, out: torch.Tensor) -> None:
+        """Write this part's ``name`` as stored (8-bit codes, bf16, fp32) into its slots of region-shaped
+        ``out`` (of the stored dtype)."""
+        for lo, at, n in self.spans:
+            out[lo:lo + n] = self.state[name][at:at + n]
+
+    def region_offsets(self, part_offsets: torch.Tensor) -> torch.Tensor:
+        """The region offsets of part slots (int64): where ``region_values`` puts them."""
+        if self.region_shaped:
+            return part_offsets
+        spans = torch.tensor(self.spans, dtype=torch.int64, device="cpu").reshape(-1, 3)
+        span = torch.searchsorted(spans[:, 1].contiguous(), part_offsets, right=True) - 1
+        return part_offsets - spans[span, 1] + spans[span, 0]
+
     def store_region(self, name: str, x: torch.Tensor) -> None:
         """Encode this part's slots of region-shaped fp32 ``x`` into ``name``."""
         formats.store_values(self.state[name], self.scales.get(name), self.blocks, name, self._mine(x))

@@ -127,7 +127,7 @@ def test_saved_at_two_loads_at_three_and_one(tmp_path):
     # torch's own offline reader: every state tensor whole, as the canonical dict holds it, flattened
     dcp_to_torch_save(os.path.join(path, "dcp"), os.path.join(path, "whole.pt"))
     whole, canonical = torch.load(os.path.join(path, "whole.pt")), torch.load(os.path.join(path, "ckpt.pt"))["ours"]
-    assert whole["fused_zero"][1]["format"] == 2
+    assert whole["fused_zero"][1]["format"] == 3
     assert whole["state"].keys() == {str(i) for i in canonical["state"]}  # DCP's keys are strings
     for i, st in canonical["state"].items():
         for name, v in st.items():
