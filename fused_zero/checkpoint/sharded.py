@@ -21,8 +21,9 @@ tail, held by every rank, is read by rank 0 and broadcast.
 
 **Formats** (``FORMAT``, saved as ``"format"`` under ``fused_zero``): 1, no marker, was ShardedTensor
 (torch warns "we are deprecating ShardedTensor" on every load of one); 2 is the DTensor form, with the
-same keys, shapes and chunks on disk, so a format-1 checkpoint loads as it is. A format this version
-does not know is refused, naming it.
+same keys, shapes and chunks on disk, so a format-1 checkpoint loads as it is; 3 saves compact moments
+as stored (below), and reads 1 and 2, whose moments are all fp32. A format this version does not know
+is refused, naming it.
 
 With shard groups (pipeline/topology.py) each DTensor lives on this rank's shard group (its mesh), which
 tiles the parameter by itself; the replicas write the same chunks (the same offsets), which DCP's save
@@ -37,12 +38,16 @@ thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
 groups and records the format, the optimizer kind, state names and parameter shapes, so that a mismatch
 is named before anything loads.
 
-Compact moments (``state_format``, update/formats.py) are saved decoded to fp32, as the canonical dict
-holds them: 8-bit blocks follow the layout (the kernel rows), so codes saved as stored would load only
-at the very layout they were saved in, and a fresh process starts in another one (DDP's first
-buckets). Decoded, a checkpoint of any format loads into any format, at any world size or layout; the
-cost is fp32 on disk and one fp32 copy of the rank's own state while saving (the decoding; the chunks
-are views of it), the same copy an fp32 optimizer makes. A load encodes each region once, as an update would.
+Compact moments (``state_format``, update/formats.py) are saved as stored: 8-bit codes (one byte an
+element, in the parameter's element space like every other state tensor) and bf16 values, under the
+same keys; ``fused_zero`` records which (``"stored"``) and, for 8-bit moments, every block's first
+element and scale (``"blocks"``, 12 bytes a block of up to 2048 elements). The blocks are the saving
+layout's kernel rows, cut at a grid in each parameter's element space (kernels/segments.py), so a load
+into any layout decodes each element with its saved block's scale (the values the saver held, bit for
+bit) and encodes them in its own blocks: one it shares with the saving layout comes out with the saved
+codes (docs/compact-state.md, "What a reshard re-encodes"). A load receives every moment in fp32
+(``_Stored``), so a checkpoint of any format loads into any format. Without a process group (one
+process, plain tensors) the moments are saved decoded to fp32, as format 2 saved them everywhere.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ..pipeline import collectives, rebuild
 from ..pipeline.layout import REPLICATED
 from ..pipeline.strides import memory_order
-from ..update.formats import SIGNED, decode8
+from ..update.formats import DTYPES, SIGNED, decode8
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
@@ -164,13 +169,13 @@ def _describe(engine) -> dict:
 
 
 def sharded_state_dict(engine) -> dict:
-    """A collective: every rank must call it. The 8-bit moments' scales travel in the ``fused_zero``
-    entry, which DCP writes once, from one rank, so every rank must hold all of them: one
+    """Every rank must call it. The 8-bit moments' scales travel in the ``fused_zero`` entry, which DCP
+    writes once, from one rank, so every rank must hold all of them: with 8-bit moments, one
     ``all_gather_object`` of the blocks' first elements and scales (12 bytes a block) in the shard
     group; nothing else is communicated."""
     engine.synchronize()
     index = canonical.param_index(engine.opt)
-    state, regions = {}, {}
+    state, regions, parts = {}, {}, {}
     group = engine.topology.shard_group
     mesh = None if group is None else DeviceMesh.from_group(group, engine.device.type)
     stored, blocks = {}, {}
@@ -179,39 +184,50 @@ def sharded_state_dict(engine) -> dict:
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
         step = float(engine.step_counts.host()[pid])
         entry = {"step": torch.tensor(step, dtype=torch.float32, device="cpu")}  # torch.optim's
-        if id(shard) not in regions:
-            regions[id(shard)] = _regions(shard, compact=mesh is not None)
-        for name, region in regions[id(shard)].items():
-            live = region is shard.live(name)  # fp32: copies; else views of the region's copy
-            chunks = [region[off:off + hi - lo].clone() if live and mesh is not None else region[off:off + hi - lo]
-                      for lo, hi, off in mine]
+        for name in shard.names:
+            dtype = _saved_dtype(engine, pid, name, compact=mesh is not None)
+            if dtype in STORED:  # copies of the stored runs
+                part = _part_of(shard, pid, name, dtype, parts) if mine else None
+                chunks = [part.stored(name, off, hi - lo).clone() for lo, hi, off in mine]
+            else:
+                if (id(shard), name) not in regions:
+                    regions[(id(shard), name)] = shard.values(name)
+                region = regions[(id(shard), name)]
+                live = region is shard.live(name)  # fp32: copies; decoded: views of the decoded copy
+                chunks = [region[off:off + hi - lo].clone() if live and mesh is not None
+                          else region[off:off + hi - lo] for lo, hi, off in mine]
             key = _state_key(name)
-            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device, region.dtype)
-            if region.dtype in STORED:
-                stored.setdefault(index[id(p)], {})[key] = STORED[region.dtype]
+            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device, dtype)
+            if dtype in STORED:
+                stored.setdefault(index[id(p)], {})[key] = STORED[dtype]
         state[index[id(p)]] = entry
-    if mesh is not None:
+    if mesh is not None and "8bit" in engine.state_formats and not engine.holding:  # alike on every rank
         blocks = _gather_blocks(engine, index, group)
     describe = dict(_describe(engine), stored=stored, blocks=blocks)
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
     return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), describe)}
 
 
-def _regions(shard, compact: bool) -> dict[str, torch.Tensor]:
-    """Each state name's region: as stored where one format holds it (8-bit codes, bf16), else decoded
-    to fp32 (one fp32 copy; the fp32 state itself where it is one tensor). ``compact`` False (one process,
-    no DTensor to receive into fp32): every region decoded."""
-    out = {}
-    for name in shard.names:
-        dtypes = {part.state[name].dtype for part in shard.parts}
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        if compact and dtype in STORED:
-            out[name] = torch.zeros(shard.layout.region_size, dtype=dtype, device=shard.device)
-            for part in shard.parts:
-                part.region_stored(name, out[name])
-        else:
-            out[name] = shard.values(name)
-    return out
+def _part_of(shard, pid: int, name: str, dtype: torch.dtype, parts: dict):
+    """The part of ``shard`` holding parameter ``pid``'s state, which stores ``name`` as ``dtype``
+    (``parts``: the shards' parts by parameter, filled here)."""
+    if id(shard) not in parts:
+        parts[id(shard)] = {row[4]: part for part in shard.parts for row in part.rows}
+    part = parts[id(shard)][pid]
+    if part.state[name].dtype != dtype:
+        raise RuntimeError(f"{name!r} of a {part.format} part is held in {part.state[name].dtype} while the "
+                           "optimizer holds nothing (rebuild.py)")
+    return part
+
+
+def _saved_dtype(engine, pid: int, name: str, compact: bool) -> torch.dtype:
+    """What a parameter's state tensor is saved as, the same on every rank (DCP keeps one rank's
+    metadata): its format's dtype, but fp32 for masters, without a process group (``compact`` False: no
+    DTensor receives into fp32), and for 8-bit moments a load holds in fp32 until DDP's rebuild."""
+    fmt = engine.state_formats[pid]
+    if name == "master" or not compact or (engine.holding and fmt == "8bit"):
+        return torch.float32
+    return DTYPES[fmt]
 
 
 def _gather_blocks(engine, index, group) -> dict:

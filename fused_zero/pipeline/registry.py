@@ -143,7 +143,8 @@ class ShardRegistry:
 
     def _move_state(self, new: BucketShard) -> None:
         """Fill ``new``'s region with the state its parameters had, in one all_to_all: decoded to fp32
-        from the old shards' formats, encoded into the new shard's (8-bit blocks follow the new rows)."""
+        from the old shards' formats, encoded into the new shard's (8-bit blocks follow the new rows; a
+        block the old layout had too comes out with its codes and scale, see kernels/segments.py)."""
         names = new.names
         if not names:
             return

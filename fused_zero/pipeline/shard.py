@@ -67,11 +67,13 @@ class Part:
         for lo, at, n in self.spans:
             out[lo:lo + n] = v[at:at + n]
 
-    def region_stored(self, name: str, out: torch.Tensor) -> None:
-        """Write this part's ``name`` as stored (8-bit codes, bf16, fp32) into its slots of region-shaped
-        ``out`` (of the stored dtype)."""
-        for lo, at, n in self.spans:
-            out[lo:lo + n] = self.state[name][at:at + n]
+    def stored(self, name: str, region_off: int, n: int) -> torch.Tensor:
+        """``name`` as stored (8-bit codes, bf16, fp32) at ``n`` region slots from ``region_off``, which
+        lie in one of the part's runs (a view)."""
+        for lo, at, m in self.spans:
+            if lo <= region_off and region_off + n <= lo + m:
+                return self.state[name][at + region_off - lo:at + region_off - lo + n]
+        raise ValueError(f"region slots {region_off}..{region_off + n} are not in one run of this part")
 
     def region_offsets(self, part_offsets: torch.Tensor) -> torch.Tensor:
         """The region offsets of part slots (int64): where ``region_values`` puts them."""
