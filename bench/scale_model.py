@@ -124,11 +124,16 @@ def build(name: str) -> nn.Module:
         return _LM(**MODELS[name]).to(torch.bfloat16)
 
 
-def ddp_buckets(model: nn.Module) -> list[list[int]]:
-    """DDP's buckets (element counts of their parameters, in bucket order) after its rebuild."""
+def ddp_bucket_params(model: nn.Module) -> list[list[nn.Parameter]]:
+    """DDP's buckets (their parameters, in bucket order) after its rebuild."""
     params = list(reversed([p for p in model.parameters() if p.requires_grad]))
     indices, _ = dist._compute_bucket_assignment_by_size(params, [FIRST_BUCKET, BUCKET_CAP], [False] * len(params))
-    return [[params[i].numel() for i in bucket] for bucket in indices]
+    return [[params[i] for i in bucket] for bucket in indices]
+
+
+def ddp_buckets(model: nn.Module) -> list[list[int]]:
+    """DDP's buckets (element counts of their parameters, in bucket order) after its rebuild."""
+    return [[p.numel() for p in bucket] for bucket in ddp_bucket_params(model)]
 
 
 # ------------------------------------------------------------------ the model of one step

@@ -64,3 +64,28 @@ def test_scale_model_follows_the_layout():
     assert ddp["nvl_bytes"] + ddp["ib_bytes"] == pytest.approx(ring)
     assert ddp["ib_bytes"] == pytest.approx(ring / 8)
     assert shard["ib_bytes"] == pytest.approx(2 * 7 / 8 * 2 * params / 8, rel=1e-3)  # slices across 8 nodes
+
+
+def test_muon_scale_model_runs_each_matrix_once_and_balances_it():
+    """bench/muon_scale_model.py (docs/performance.md's Muon tables): every matrix gets one owner, so the
+    ranks together do one process's NS work; the busiest rank is within 5% of the mean at W=8; one rank
+    sends and receives nothing; the momentum is 1/W."""
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("muon_scale_model_under_test", bench_dir / "muon_scale_model.py")
+        mm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mm)
+    finally:
+        sys.path.remove(str(bench_dir))
+    costs = [5.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0]
+    own = mm.owners(costs, 3)
+    loads = [sum(c for c, r in zip(costs, own) if r == k) for k in range(3)]
+    assert sorted(loads) == [6.0, 7.0, 7.0]  # LPT: 5+2, 4+2+1, 3+3: every matrix once
+    assert mm.ns_flops((768, 3072)) == mm.ns_flops((3072, 768)) == 5 * (4 * 768 ** 2 * 3072 + 2 * 768 ** 3)
+    one, eight = mm.row("GPT-2 small", 1), mm.row("GPT-2 small", 8)
+    assert one["extra_bytes_max"] == 0 and one["zero1_bytes"] == 0
+    assert eight["matrices"] == 48 and eight["muon_elements"] == 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072)
+    assert eight["ns_flops_mean"] * 8 == pytest.approx(eight["ns_flops_every_rank"])
+    assert 1.0 <= eight["balance"] <= 1.05
+    assert eight["momentum_bytes"] == 4 * eight["muon_elements"] / 8

@@ -52,6 +52,7 @@ process, plain tensors) the moments are saved decoded to fp32, as format 2 saved
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -232,8 +233,9 @@ def _saved_dtype(engine, pid: int, name: str, compact: bool) -> torch.dtype:
 
 def _gather_blocks(engine, index, group) -> dict:
     """``(parameter index, state key) -> (first elements, scales)`` of every 8-bit block of every rank
-    of the shard group, in element order: each rank sends the rows of its own runs (the tail's are rank
-    0's, as its chunks are)."""
+    of the shard group, in element order (host tensors): each rank sends the rows of its own runs (the
+    tail's are rank 0's, as its chunks are). Worked out in numpy: nothing here touches the device but
+    the one read of each part's scales."""
     mine: dict[tuple, list] = {}
     for shard in engine.shards():
         me, layout = shard.layout.rank, shard.layout
@@ -241,15 +243,15 @@ def _gather_blocks(engine, index, group) -> dict:
             names = [n for n, t in part.state.items() if t.dtype == torch.uint8]
             if not names:
                 continue
-            table = part.table
+            table = part.table.numpy()
             if layout.tail and me != 0:
-                table = table[part.region_offsets(table[:, 0]) < layout.region_tail(me)[0]]
-            i_of = torch.tensor([index[id(engine.params[pid])] for pid in table[:, 4].tolist()], dtype=torch.int64)
-            order = torch.argsort(i_of, stable=True)
-            keys, counts = torch.unique_consecutive(i_of[order], return_counts=True)
+                table = table[part.region_offsets(part.table[:, 0]).numpy() < layout.region_tail(me)[0]]
+            i_of = np.array([index[id(engine.params[pid])] for pid in table[:, 4].tolist()], dtype=np.int64)
+            order = np.argsort(i_of, kind="stable")
+            keys, firsts = np.unique(i_of[order], return_index=True)
             for name in names:
-                scales = part.scales[name].index_select(0, table[:, 7].to(part.scales[name].device)).cpu()
-                for i, rows in zip(keys.tolist(), torch.split(order, counts.tolist())):
+                scales = part.scales[name].cpu().numpy()[table[:, 7]]
+                for i, rows in zip(keys.tolist(), np.split(order, firsts[1:])):
                     mine.setdefault((i, _state_key(name)), []).append((table[rows, 5], scales[rows]))
     gathered: dict[tuple, list] = {}
     for every in collectives.all_gather_object(mine, group):
@@ -257,9 +259,9 @@ def _gather_blocks(engine, index, group) -> dict:
             gathered.setdefault(key, []).extend(parts)
     out = {}
     for key, parts in gathered.items():
-        starts = torch.cat([s for s, _ in parts])
-        order = torch.argsort(starts)
-        out[key] = (starts[order], torch.cat([v for _, v in parts])[order])
+        starts = np.concatenate([s for s, _ in parts])
+        order = np.argsort(starts, kind="stable")
+        out[key] = (torch.from_numpy(starts[order]), torch.from_numpy(np.concatenate([v for _, v in parts])[order]))
     return out
 
 
@@ -343,16 +345,16 @@ def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, whe
     the values the saving optimizer held, bit for bit (``formats.values``' product)."""
     if blocks is None:
         raise StateDictError(f"{where}: its 8-bit {name!r} has no block scales in the checkpoint")
-    starts, scales = blocks
-    if not (starts.numel() and starts.numel() == scales.numel() and int(starts[0]) == 0
-            and bool((starts[1:] > starts[:-1]).all()) and int(starts[-1]) < numel):
+    starts, scales = (np.asarray(t.numpy()) for t in blocks)  # host tensors, as unpickled
+    if not (starts.size and starts.size == scales.size and starts[0] == 0 and (starts[1:] > starts[:-1]).all()
+            and starts[-1] < numel):
         raise StateDictError(f"{where}: the checkpoint's 8-bit blocks of {name!r} do not tile its {numel} elements")
     if not bool(((codes >= 0) & (codes <= 255) & (codes == codes.round())).all()):
         raise StateDictError(f"{where}: its {name!r} should hold 8-bit codes and holds other values")
-    elems = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi, _ in runs]) if runs else \
-        torch.zeros(0, dtype=torch.int64)
-    block = (torch.searchsorted(starts, elems, right=True) - 1).to(codes.device)
-    return decode8(codes.to(torch.uint8), SIGNED[name]) * scales.to(codes.device).index_select(0, block)
+    elems = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi, _ in runs]) if runs else \
+        np.zeros(0, dtype=np.int64)
+    each = torch.from_numpy(scales[np.searchsorted(starts, elems, side="right") - 1]).to(codes.device)
+    return decode8(codes.to(torch.uint8), SIGNED[name]) * each
 
 
 def _apply(engine, groups, values) -> None:
