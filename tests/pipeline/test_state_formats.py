@@ -225,6 +225,16 @@ def _checkpoints(rank, world, path):
     dcp.load(target, checkpoint_id=path)
     third[2].load_sharded_state_dict(target)
     out["dcp int8"] = all(torch.equal(a, b) for a, b in zip(stored(again[2]), stored(third[2])))
+    # saved while that load still holds the moments in fp32 (DDP's rebuild to come): fp32 on disk, the
+    # same values loaded
+    dcp.save(third[2].sharded_state_dict(), checkpoint_id=path + "-held")
+    held = build(FormatCase(state_format="8bit"))
+    held[0].load_state_dict(built[0].state_dict())
+    target = held[2].sharded_state_dict()
+    dcp.load(target, checkpoint_id=path + "-held")
+    held[2].load_sharded_state_dict(target)
+    out["dcp while held"] = all(torch.equal(held[2].state_dict()["state"][i][k], v)
+                                for i, e in third[2].state_dict()["state"].items() for k, v in e.items())
     fp32_dcp = build(FormatCase(state_format="fp32"))
     target = fp32_dcp[2].sharded_state_dict()
     dcp.load(target, checkpoint_id=path)
@@ -245,7 +255,7 @@ def _checkpoints(rank, world, path):
     bf16[2].load_sharded_state_dict(target)
     out["dcp int8 into bf16"] = all(torch.equal(bf16[2].state_dict()["state"][i][k], v.bfloat16().float())
                                     for i, e in sd["state"].items() for k, v in e.items() if k != "step")
-    for b in (built, fp32, again, third, fp32_dcp, fourth, bf16):
+    for b in (built, fp32, again, third, held, fp32_dcp, fourth, bf16):
         b[2]._engine.close()
     return out
 
