@@ -24,10 +24,10 @@ so encoding and decoding are a few integer operations per element on any device,
 every one.
 
 A block is one row of the kernels' table (segments.py): up to ``BLOCK`` = 2048 elements of one
-parameter, cut at multiples of ``BLOCK`` counted from the parameter's first element, bitsandbytes' block
-size; torchao's 256 would quarter a program and multiply the scale
-traffic by 8. The program that updates a block reduces its new maximum and writes its scale: no block
-crosses two programs, and the scale is known before the codes are written.
+parameter (bitsandbytes' block size), cut at multiples of ``BLOCK`` counted from the parameter's first
+element; torchao's 256 would quarter a program and multiply the scale traffic by 8. The program that
+updates a block reduces its new maximum and writes its scale: no block crosses two programs, and the
+scale is known before the codes are written.
 
 **Stochastic rounding of bf16 weights** (no fp32 master): 16 random bits are added to the fp32 value's
 bits below bf16's last one, and the sum is truncated: the value rounds up with probability equal to

@@ -216,8 +216,8 @@ def _part_of(shard, pid: int, name: str, dtype: torch.dtype, parts: dict):
         parts[id(shard)] = {row[4]: part for part in shard.parts for row in part.rows}
     part = parts[id(shard)][pid]
     if part.state[name].dtype != dtype:
-        raise RuntimeError(f"{name!r} of a {part.format} part is held in {part.state[name].dtype} while the "
-                           "optimizer holds nothing (rebuild.py)")
+        raise RuntimeError(f"{name!r} of a {part.format} part is kept in {part.state[name].dtype} though no "
+                           "load is held (rebuild.py): the ranks would save it in different dtypes")
     return part
 
 
