@@ -300,6 +300,16 @@ def test_dcp_loads_at_another_world_size(tmp_path, case):
         assert run_ranks(_load_both_ways, world, case, path, weights, sd) == [True] * world
 
 
+def test_dcp_of_shard_groups_loads_flat(tmp_path):
+    """8-bit moments saved at 4 ranks in shard groups of 2 (each group gathers its blocks' scales; the
+    replicas write the same chunks and one ``fused_zero`` entry is kept), loaded flat at 2 ranks and at 1:
+    what the canonical dict of the same run loads to."""
+    path = str(tmp_path / "checkpoint")
+    weights, sd = run_ranks(_save, 4, FormatCase(state_format="8bit", shard=2), path)[0]
+    for world in (1, 2):
+        assert run_ranks(_load_both_ways, world, FormatCase(state_format="8bit"), path, weights, sd) == [True] * world
+
+
 def _mixed_checkpoint(rank, world):
     """Per param group: the canonical dict records each group's format, loads into an fp32 optimizer
     as it is, and comes back to the same codes; the groups keep their own formats through a load."""
