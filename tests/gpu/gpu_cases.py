@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -265,6 +266,38 @@ def _formats(rank, world):
     for case in cases:
         opt = train(case, rank, world)[2]
         opt._engine.close()
+    _dcp_8bit(rank, world, FormatCase, train)
+
+
+def _dcp_8bit(rank, world, FormatCase, train, device="cuda", backend="triton"):
+    """DCP format 3 on a CUDA mesh: 8-bit codes and block scales saved (uint8 chunks of CUDA tensors, the
+    scales gathered over NCCL), loaded into a fresh 8-bit optimizer (received in fp32, decoded on the
+    device) and into an fp32 one, each past DDP's bucket rebuild (so the load encodes at once): the
+    values the saver's ``state_dict()`` decodes, equal."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    case = FormatCase(state_format="8bit", overlap="step", backend=backend, device=device, steps=2)
+    built = train(case, rank, world)
+    path = [tempfile.mkdtemp(prefix="fused_zero_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+    dcp.save(built[2].sharded_state_dict(), checkpoint_id=path)
+    for fmt in ("8bit", "fp32"):
+        other = train(FormatCase(state_format=fmt, overlap="step", backend=backend, device=device, steps=2),
+                      rank, world)
+        other[0].load_state_dict(built[0].state_dict())
+        target = other[2].sharded_state_dict()
+        dcp.load(target, checkpoint_id=path)
+        other[2].load_sharded_state_dict(target)
+        mine, theirs = built[2].state_dict()["state"], other[2].state_dict()["state"]
+        for i, entry in mine.items():
+            for k, v in entry.items():
+                if not torch.equal(v, theirs[i][k]):
+                    raise AssertionError(f"DCP 8-bit into {fmt}: parameter {i} {k} differs after the load")
+        other[2]._engine.close()
+    built[2]._engine.close()
 
 
 def case_formats():
