@@ -61,7 +61,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ..pipeline import collectives, rebuild
 from ..pipeline.layout import REPLICATED
 from ..pipeline.strides import memory_order
-from ..update.formats import DTYPES, SIGNED, decode8
+from ..update.formats import DTYPES, SIGNED, decode_table
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
@@ -351,10 +351,15 @@ def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, whe
         raise StateDictError(f"{where}: the checkpoint's 8-bit blocks of {name!r} do not tile its {numel} elements")
     if not bool(((codes >= 0) & (codes <= 255) & (codes == codes.round())).all()):
         raise StateDictError(f"{where}: its {name!r} should hold 8-bit codes and holds other values")
-    elems = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi, _ in runs]) if runs else \
-        np.zeros(0, dtype=np.int64)
-    each = torch.from_numpy(scales[np.searchsorted(starts, elems, side="right") - 1]).to(codes.device)
-    return decode8(codes.to(torch.uint8), SIGNED[name]) * each
+    ends = np.append(starts[1:], numel)
+    each = []  # every element's block scale, run by run: the blocks a run overlaps, repeated
+    for lo, hi, _ in runs:
+        first, last = np.searchsorted(starts, [lo, hi - 1], side="right") - 1
+        counts = np.minimum(ends[first:last + 1], hi) - np.maximum(starts[first:last + 1], lo)
+        each.append(np.repeat(scales[first:last + 1], counts))
+    each = torch.from_numpy(np.concatenate(each) if each else np.zeros(0, dtype=np.float32)).to(codes.device)
+    table = decode_table(SIGNED[name]).to(codes.device)  # decode8 of every code (its values bit for bit)
+    return table.index_select(0, codes.to(torch.int64).reshape(-1)) * each
 
 
 def _apply(engine, groups, values) -> None:
@@ -367,7 +372,10 @@ def _apply(engine, groups, values) -> None:
     engine.holding = engine.holding or hold
     for shard in engine.shards():
         names = shard.names
-        regions = {name: shard.values(name) for name in names}  # the state itself where it is fp32
+        # the state itself where it is fp32, else a region to encode from: every slot a row covers is
+        # filled below (this rank's runs, the tail from rank 0), so nothing needs decoding first
+        regions = {name: shard.live(name) if shard.live(name) is not None else
+                   torch.zeros(shard.layout.region_size, dtype=torch.float32, device=shard.device) for name in names}
         me = shard.layout.rank
         for local, pid in enumerate(shard.layout.pids):
             saved = values[pid]
