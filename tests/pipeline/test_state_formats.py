@@ -255,7 +255,15 @@ def _checkpoints(rank, world, path):
     bf16[2].load_sharded_state_dict(target)
     out["dcp int8 into bf16"] = all(torch.equal(bf16[2].state_dict()["state"][i][k], v.bfloat16().float())
                                     for i, e in sd["state"].items() for k, v in e.items() if k != "step")
-    for b in (built, fp32, again, third, held, fp32_dcp, fourth, bf16):
+    # bf16 moments are saved as bf16: into an fp32 optimizer, exactly those values
+    dcp.save(bf16[2].sharded_state_dict(), checkpoint_id=path + "-bf16")
+    fifth = build(FormatCase(state_format="fp32"))
+    target = fifth[2].sharded_state_dict()
+    dcp.load(target, checkpoint_id=path + "-bf16")
+    fifth[2].load_sharded_state_dict(target)
+    out["dcp bf16 into fp32"] = all(torch.equal(fifth[2].state_dict()["state"][i][k], v)
+                                    for i, e in bf16[2].state_dict()["state"].items() for k, v in e.items())
+    for b in (built, fp32, again, third, held, fp32_dcp, fourth, bf16, fifth):
         b[2]._engine.close()
     return out
 
