@@ -61,7 +61,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ..pipeline import collectives, rebuild
 from ..pipeline.layout import REPLICATED
 from ..pipeline.strides import memory_order
-from ..update.formats import DTYPES, SIGNED, decode_table
+from ..update.formats import DTYPES, SIGNED, decode
 from . import canonical, checks
 from .checks import MASTER_KEY, StateDictError
 
@@ -358,8 +358,7 @@ def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, whe
         counts = np.minimum(ends[first:last + 1], hi) - np.maximum(starts[first:last + 1], lo)
         each.append(np.repeat(scales[first:last + 1], counts))
     each = torch.from_numpy(np.concatenate(each) if each else np.zeros(0, dtype=np.float32)).to(codes.device)
-    table = decode_table(SIGNED[name]).to(codes.device)  # decode8 of every code (its values bit for bit)
-    return table.index_select(0, codes.to(torch.int64).reshape(-1)) * each
+    return decode(codes, SIGNED[name]) * each
 
 
 def _apply(engine, groups, values) -> None:

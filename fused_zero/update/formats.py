@@ -39,6 +39,15 @@ def decode_table(signed: bool) -> torch.Tensor:
     return _DECODE_TABLES[signed]
 
 
+def decode(code: torch.Tensor, signed: bool) -> torch.Tensor:
+    """``decode8``'s values of codes (uint8, or their values in another dtype): looked up in
+    ``decode_table`` on the CPU, computed by decode8's formula on an accelerator (where its elementwise
+    passes are cheap and the lookup would first copy the table there)."""
+    if code.device.type == "cpu":
+        return decode_table(signed).index_select(0, code.to(torch.int32).reshape(-1)).view(code.shape)
+    return decode8(code.to(torch.uint8), signed)
+
+
 def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
     """The kernels' recipe (kernels/formats.py), each ``where`` written as a mask of sign bits and
     every op after the first few in place: the same codes for every bit pattern of ``y`` (NaN and
@@ -149,7 +158,7 @@ def values(t: torch.Tensor, scale: torch.Tensor | None, blocks: BlockTable | Non
     if not scale.numel():
         return torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
     block = blocks.slots()
-    return torch.where(block >= 0, decode8(t, SIGNED[name]) * scale.index_select(0, block.clamp(min=0)), 0.0)
+    return torch.where(block >= 0, decode(t, SIGNED[name]) * scale.index_select(0, block.clamp(min=0)), 0.0)
 
 
 def store_values(t: torch.Tensor, scale: torch.Tensor | None, blocks: BlockTable | None, name: str,

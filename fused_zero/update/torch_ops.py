@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import ADAM_COEFS, SGD_COEFS
-from .formats import SIGNED, decode_table, encode_blocks, round_stochastic
+from .formats import SIGNED, decode, encode_blocks, round_stochastic
 
 _ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
 _SGD = {name: i for i, name in enumerate(SGD_COEFS)}
@@ -101,8 +101,7 @@ class _Moments:
             return t
         if t.dtype == torch.bfloat16:
             return t.float()
-        return decode_table(SIGNED[name]).index_select(0, t.to(torch.int32)) * \
-            self.args.scales[name].index_select(0, self.block)
+        return decode(t, SIGNED[name]) * self.args.scales[name].index_select(0, self.block)
 
     def put(self, name: str, x: torch.Tensor) -> None:
         t = self.args.state[name][self.so:self.so + self.n]
