@@ -7,7 +7,10 @@ Formats (``extra_info``): ``state_bytes_per_param`` = this rank's optimizer byte
 before the division by W (expected: fp32 12 with bf16 parameters, 8 for fp32 parameters; bf16 moments
 4 + master; 8-bit moments ~2 + master; 8-bit + stochastic rounding, no master, ~2), and
 ``state_vs_fp32`` and ``step_vs_fp32`` = the bytes and the median step over fp32 moments' at the same
-parameter dtype (fp32 or bf16p-fp32), from the same run.
+parameter dtype (fp32 or bf16p-fp32), from the same run. Then DCP checkpoints of each
+(``opt.sharded_state_dict()``, docs/checkpointing.md): ``dcp_save_ms``, ``dcp_load_ms`` (``dcp.load``
+and ``load_sharded_state_dict``; each the second of two), ``dcp_bytes_per_param`` (the checkpoint's
+files over the parameters) and the three over fp32's, from the same run.
 
     fp32            fp32 parameters and moments
     bf16            fp32 parameters, bf16 moments
@@ -28,6 +31,7 @@ ranks build and time every format they run, whatever ``-k`` selects.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -56,7 +60,7 @@ ROUNDS = 2
 pytestmark = pytest.mark.benchmark(timer=CLOCK)
 
 
-def _rank_main(rank: int, world: int) -> dict:
+def _rank_main(rank: int, world: int, path: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
@@ -105,8 +109,34 @@ def _rank_main(rank: int, world: int) -> dict:
                 opt.zero_grad(set_to_none=True)
     for name, (model, _, opt) in systems.items():
         params = sum(p.numel() for p in model.parameters())
-        out[name] = {"step": out[name], "state_bytes": int(opt.memory()["state"]), "params": params}
+        out[name] = {"step": out[name], "state_bytes": int(opt.memory()["state"]), "params": params,
+                     **_checkpoint(opt, os.path.join(path, name), sync)}
     return out
+
+
+def _checkpoint(opt, where: str, sync) -> dict:
+    """DCP saves and loads of ``opt`` (every rank), each timed at its second run (the first pays one-off
+    costs: DCP's planners, the chunk classes' first dispatch), and the files' bytes."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        sync()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def load():
+        target = opt.sharded_state_dict()
+        dcp.load(target, checkpoint_id=where)
+        opt.load_sharded_state_dict(target)
+
+    saved = [timed(lambda: dcp.save(opt.sharded_state_dict(), checkpoint_id=where)) for _ in range(2)][-1]
+    loaded = [timed(load) for _ in range(2)][-1]
+    files = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where))
+    return {"dcp_save": saved, "dcp_load": loaded, "dcp_bytes": files}
 
 
 _RESULTS: dict = {}
@@ -115,7 +145,7 @@ _RESULTS: dict = {}
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_format(benchmark, fmt):
     if not _RESULTS:
-        _RESULTS["ranks"] = run_ranks(_rank_main, PAIR_WORLD)
+        _RESULTS["ranks"] = run_ranks(_rank_main, PAIR_WORLD, tempfile.mkdtemp(prefix="fused_zero_bench_dcp_"))
     r0 = _RESULTS["ranks"][0]
     mine = r0[fmt]
     base = r0["fp32" if FORMATS[fmt][0] == torch.float32 else "bf16p-fp32"]
@@ -128,5 +158,9 @@ def test_format(benchmark, fmt):
         state_vs_fp32=mine["state_bytes"] / base["state_bytes"],
         step_ms_median=_median(mine["step"]) * 1e3,
         step_vs_fp32=_median(mine["step"]) / _median(base["step"]),
+        dcp_save_ms=mine["dcp_save"] * 1e3, dcp_load_ms=mine["dcp_load"] * 1e3,
+        dcp_bytes_per_param=mine["dcp_bytes"] / mine["params"],
+        dcp_save_vs_fp32=mine["dcp_save"] / base["dcp_save"], dcp_load_vs_fp32=mine["dcp_load"] / base["dcp_load"],
+        dcp_bytes_vs_fp32=mine["dcp_bytes"] / base["dcp_bytes"],
         load=list(os.getloadavg()))
     _report(benchmark, mine["step"], "formats", info)
