@@ -27,13 +27,11 @@ reduce-scatter and all-gather, ``2 (W - 1) / W`` of the matrices' bf16 bytes.
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import math
 
 import numpy as np
-from scale_model import WORLDS, build, ddp_bucket_params
+from scale_model import WORLDS, _gb, build, ddp_bucket_params, run
 
 NS_STEPS = 5
 ELEMENT_BYTES = 2  # bf16: u to the owner, the NS result back
@@ -118,10 +116,6 @@ def rows() -> list[dict]:
     return [row(name, world) for name in ("GPT-2 small", "Llama 7B") for world in WORLDS]
 
 
-def _gb(b: float) -> str:
-    return f"{b / 1e9:.3g} GB" if b >= 1e8 else f"{b / 1e6:.3g} MB"
-
-
 def markdown(table: list[dict]) -> str:
     lines = []
     for name in dict.fromkeys(r["model"] for r in table):
@@ -143,14 +137,7 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="also write every row as JSON here")
-    args = parser.parse_args(argv)
-    table = rows()
-    print(markdown(table))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": table}, f, indent=1)
+    run(__doc__, rows(), markdown, argv)
 
 
 if __name__ == "__main__":

@@ -253,18 +253,22 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(doc: str, table: list[dict], markdown_of, argv=None, **extra) -> None:
+    """A scale model's command line: print ``markdown_of(table)``; ``--json FILE`` writes the rows
+    (and ``extra``) there too. ``doc``: the script's docstring, whose first paragraph is the help."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--json", help="also write every row as JSON here")
     args = parser.parse_args(argv)
-    table = rows()
-    print(markdown(table))
+    print(markdown_of(table))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": table, "figures": dict(beta_nvl=BETA_NVL, beta_ib=BETA_IB, lat_base=LAT_BASE,
-                                                      lat_nvl=LAT_NVL, lat_net=LAT_NET, tree_nvl=TREE_NVL,
-                                                      tree_net=TREE_NET, gpus_per_node=GPUS_PER_NODE,
-                                                      bucket_cap=BUCKET_CAP)}, f, indent=1)
+            json.dump({"rows": table, **extra}, f, indent=1)
+
+
+def main(argv=None) -> None:
+    run(__doc__, rows(), markdown, argv,
+        figures=dict(beta_nvl=BETA_NVL, beta_ib=BETA_IB, lat_base=LAT_BASE, lat_nvl=LAT_NVL, lat_net=LAT_NET,
+                     tree_nvl=TREE_NVL, tree_net=TREE_NET, gpus_per_node=GPUS_PER_NODE, bucket_cap=BUCKET_CAP))
 
 
 if __name__ == "__main__":

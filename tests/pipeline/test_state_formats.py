@@ -194,6 +194,18 @@ def _checkpoints(rank, world, path):
     int8 = FormatCase(state_format="8bit", steps=3)
     built = train(int8, rank, world)
     opt = built[2]
+
+    def from_dcp(fmt: str, where: str, weights: bool):
+        """A fresh optimizer of ``fmt`` (the saved model's weights loaded first, if ``weights``) that
+        loaded the DCP checkpoint at ``where``."""
+        fresh = build(FormatCase(state_format=fmt))
+        if weights:
+            fresh[0].load_state_dict(built[0].state_dict())
+        target = fresh[2].sharded_state_dict()
+        dcp.load(target, checkpoint_id=where)
+        fresh[2].load_sharded_state_dict(target)
+        return fresh
+
     sd = opt.state_dict()
     out["recorded"] = sd.get("fused_zero") == {"state_format": "8bit"}
     codes = [t.clone() for t in stored(opt)]
@@ -219,48 +231,27 @@ def _checkpoints(rank, world, path):
     # canonical dict gives there (``again``: the same layout); into fp32, the values the dict holds;
     # into bf16, those rounded to bf16
     dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
-    third = build(FormatCase(state_format="8bit"))
-    third[0].load_state_dict(built[0].state_dict())
-    target = third[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path)
-    third[2].load_sharded_state_dict(target)
+    third = from_dcp("8bit", path, weights=True)
     out["dcp int8"] = all(torch.equal(a, b) for a, b in zip(stored(again[2]), stored(third[2])))
     # saved while that load still holds the moments in fp32 (DDP's rebuild to come): fp32 on disk, the
     # same values loaded
     dcp.save(third[2].sharded_state_dict(), checkpoint_id=path + "-held")
-    held = build(FormatCase(state_format="8bit"))
-    held[0].load_state_dict(built[0].state_dict())
-    target = held[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path + "-held")
-    held[2].load_sharded_state_dict(target)
+    held = from_dcp("8bit", path + "-held", weights=True)
     out["dcp while held"] = all(torch.equal(held[2].state_dict()["state"][i][k], v)
                                 for i, e in third[2].state_dict()["state"].items() for k, v in e.items())
-    fp32_dcp = build(FormatCase(state_format="fp32"))
-    target = fp32_dcp[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path)
-    fp32_dcp[2].load_sharded_state_dict(target)  # the codes decoded with the saved scales: the values
+    fp32_dcp = from_dcp("fp32", path, weights=False)  # the codes decoded with the saved scales: the values
     out["dcp int8 into fp32"] = all(torch.equal(fp32_dcp[2].state_dict()["state"][i][k], v)
                                     for i, e in sd["state"].items() for k, v in e.items())
     # and the reverse: an fp32 checkpoint (as format 2 saved every format) into an 8-bit optimizer
     dcp.save(fp32_dcp[2].sharded_state_dict(), checkpoint_id=path + "-fp32")
-    fourth = build(FormatCase(state_format="8bit"))
-    fourth[0].load_state_dict(built[0].state_dict())
-    target = fourth[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path + "-fp32")
-    fourth[2].load_sharded_state_dict(target)
+    fourth = from_dcp("8bit", path + "-fp32", weights=True)
     out["dcp fp32 into int8"] = all(torch.equal(a, b) for a, b in zip(stored(again[2]), stored(fourth[2])))
-    bf16 = build(FormatCase(state_format="bf16"))
-    target = bf16[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path)
-    bf16[2].load_sharded_state_dict(target)
+    bf16 = from_dcp("bf16", path, weights=False)
     out["dcp int8 into bf16"] = all(torch.equal(bf16[2].state_dict()["state"][i][k], v.bfloat16().float())
                                     for i, e in sd["state"].items() for k, v in e.items() if k != "step")
     # bf16 moments are saved as bf16: into an fp32 optimizer, exactly those values
     dcp.save(bf16[2].sharded_state_dict(), checkpoint_id=path + "-bf16")
-    fifth = build(FormatCase(state_format="fp32"))
-    target = fifth[2].sharded_state_dict()
-    dcp.load(target, checkpoint_id=path + "-bf16")
-    fifth[2].load_sharded_state_dict(target)
+    fifth = from_dcp("fp32", path + "-bf16", weights=False)
     out["dcp bf16 into fp32"] = all(torch.equal(fifth[2].state_dict()["state"][i][k], v)
                                     for i, e in bf16[2].state_dict()["state"].items() for k, v in e.items())
     for b in (built, fp32, again, third, held, fp32_dcp, fourth, bf16, fifth):
