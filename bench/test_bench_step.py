@@ -230,7 +230,7 @@ class _HostProbe:
         self.cls.on_bucket = on_bucket
 
     def watch_updates(self, opt) -> None:
-        algo = opt._engine.algo
+        algo = opt._engine.members[0].algo
         update = algo.update
         probe = self
 

@@ -5,9 +5,9 @@ backward and the next forward."""
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
-from .optimizer import SGD, Adam, AdamW
+from .optimizer import SGD, Adam, AdamW, Muon
 
-__all__ = ["Adam", "AdamW", "SGD", "__version__"]
+__all__ = ["Adam", "AdamW", "Muon", "SGD", "__version__"]
 
 
 def _version() -> str:

@@ -274,14 +274,24 @@ def group_state_formats(param_groups: list[dict], default: str) -> list[str]:
     return formats
 
 
-def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray]:
-    """The parameters the optimizer updates (those requiring grad), each with its group index, checked
-    against the parameters DDP reduces: every one of them must be the optimizer's, and vice versa."""
-    ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
+def ddp_params(ddp) -> list[torch.nn.Parameter]:
+    """The parameters DDP reduces: those requiring grad, less ``parameters_to_ignore``."""
     ignored = {id(p) for name, p in ddp.module.named_parameters()
                if name in getattr(ddp, "parameters_to_ignore", ())}
-    ddp_params = [p for p in ddp_params if id(p) not in ignored]
-    ddp_ids = {id(p) for p in ddp_params}
+    return [p for p in ddp.module.parameters() if p.requires_grad and id(p) not in ignored]
+
+
+def param_name(ddp, p) -> str:
+    """How a user finds a parameter of the DDP module: its name there, and its shape."""
+    name = next((n for n, q in ddp.module.named_parameters() if q is p), None)
+    return f"{name or 'a parameter'} (shape {tuple(p.shape)})"
+
+
+def member_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray]:
+    """The parameters one optimizer updates (those requiring grad), each with its group index, checked
+    one by one: each must be one that the DDP module reduces, of a dtype and a memory layout fused_zero
+    updates. Whether every parameter DDP reduces is some optimizer's is ``collect_params``'s question."""
+    ddp_ids = {id(p) for p in ddp_params(ddp)}
     params, group_of, seen = [], [], set()
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
@@ -304,10 +314,6 @@ def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Paramet
                 seen.add(id(p))
                 params.append(p)
                 group_of.append(gi)
-    missing = [tuple(p.shape) for p in ddp_params if id(p) not in seen]
-    if missing:
-        raise ValueError(f"the DDP module reduces {len(missing)} parameter(s) the optimizer does not own "
-                         f"(shapes {missing[:4]}); pass every trainable parameter, e.g. ddp.parameters()")
     if not params:
         raise ValueError("the optimizer has no trainable parameters")
     devices = {p.device for p in params}
@@ -318,3 +324,32 @@ def collect_params(param_groups: list[dict], ddp) -> tuple[list[torch.nn.Paramet
             raise ValueError(f"{type(module).__name__}(sparse=True) produces sparse gradients, which "
                              "fused_zero does not support; use sparse=False")
     return params, np.asarray(group_of, dtype=np.int64)
+
+
+def unowned(ddp, owned: set[int]) -> list[torch.nn.Parameter]:
+    """The parameters DDP reduces that no optimizer of ``owned`` (ids) updates, in registration order."""
+    return [p for p in ddp_params(ddp) if id(p) not in owned]
+
+
+def collect_params(members: list[list[dict]], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray, np.ndarray]:
+    """The parameters of every optimizer over ``ddp`` (their param groups, in attach order), each with its
+    optimizer's index and its group index there: every parameter DDP reduces must be updated by exactly
+    one of them."""
+    params, member_of, group_of, owner = [], [], [], {}
+    for m, groups in enumerate(members):
+        mine, groups_of = member_params(groups, ddp)
+        for p, g in zip(mine, groups_of):
+            if id(p) in owner:
+                raise ValueError(f"{param_name(ddp, p)} is given to optimizers {owner[id(p)]} and {m} over one DDP "
+                                 "module: give each parameter to one optimizer")
+            owner[id(p)] = m
+            params.append(p)
+            member_of.append(m)
+            group_of.append(int(g))
+    missing = unowned(ddp, set(owner))
+    if missing:
+        names = ", ".join(param_name(ddp, p) for p in missing[:4])
+        who = "the optimizer does not own" if len(members) == 1 else "none of its fused_zero optimizers owns"
+        raise ValueError(f"the DDP module reduces {len(missing)} parameter(s) {who}: {names}; pass every "
+                         "trainable parameter to one optimizer over it (e.g. ddp.parameters())")
+    return params, np.asarray(member_of, dtype=np.int64), np.asarray(group_of, dtype=np.int64)

@@ -94,7 +94,7 @@ class Case:
 
 
 DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
-                   "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01)}
+                   "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01), "Muon": dict(lr=2e-2, weight_decay=0.1)}
 
 
 def param_groups(model: nn.Module, case: Case):
@@ -104,6 +104,61 @@ def param_groups(model: nn.Module, case: Case):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     return [{"params": decay, **base}, {"params": rest, **base, "lr": base["lr"] * 0.3, "weight_decay": 0.0}]
+
+
+def muon_split(model: nn.Module, case: Case) -> list[tuple[str, list]]:
+    """``opt="Muon"``: Muon over the matrices but the (tied) embedding, as Muon's users split a model,
+    in ``case.groups`` param groups (the second at 0.3 times the lr); AdamW over the rest, as
+    DEFAULT_HPARAMS["AdamW"]."""
+    base = {**DEFAULT_HPARAMS["Muon"], **case.kwargs}
+    mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "emb.weight"]
+    rest = [p for n, p in model.named_parameters() if p.dim() != 2 or n == "emb.weight"]
+    muon = [{"params": mats, **base}] if case.groups == 1 else \
+        [{"params": mats[:2], **base}, {"params": mats[2:], **base, "lr": base["lr"] * 0.3}]
+    return [("Muon", muon), ("AdamW", [{"params": rest, **DEFAULT_HPARAMS["AdamW"]}])]
+
+
+class Optimizers:
+    """Several optimizers over one model stepped as one (Muon beside AdamW): ``param_groups`` are all
+    of theirs (the scenarios' lr schedule scales each), the rest is the first one's (the engine is
+    theirs together)."""
+
+    def __init__(self, opts: list):
+        self.opts = opts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.opts for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+    def state_dict(self, **kwargs) -> list:
+        return [o.state_dict(**kwargs) for o in self.opts]
+
+    def load_state_dict(self, state_dicts: list) -> None:
+        for o, sd in zip(self.opts, state_dicts, strict=True):
+            o.load_state_dict(sd)
+
+    def sharded_state_dict(self) -> dict:
+        return {str(i): o.sharded_state_dict() for i, o in enumerate(self.opts)}
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        for i, o in enumerate(self.opts):
+            o.load_sharded_state_dict(state_dict[str(i)])
+
+    def __getattr__(self, name):
+        return getattr(self.opts[0], name)
+
+
+def optimizer_groups(model: nn.Module, case: Case) -> list[tuple[str, list]]:
+    """``(class name, param groups)`` of each optimizer a case builds over ``model``."""
+    return muon_split(model, case) if case.opt == "Muon" else [(case.opt, param_groups(model, case))]
 
 
 def build(case: Case, rank: int):
@@ -123,25 +178,25 @@ def build(case: Case, rank: int):
     ref_ddp = DDP(ref_model, **ddp_kw)
     if case.reduce_dtype is not None:  # DDP's own compression: cast, divide by W, all-reduce, copy back
         ref_ddp.register_comm_hook(None, compress_hook(case.reduce_dtype))
+    options = dict(ddp=ddp, overlap=case.overlap, grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
+                   _backend=case.backend, param_sync=case.param_sync, master_weights=case.master,
+                   shard_group=shard_group(case.shard), grad_reduce_dtype=case.reduce_dtype)
     with forced_plan(case.plan):
-        opt = getattr(fused_zero, case.opt)(param_groups(model, case), ddp=ddp, overlap=case.overlap,
-                                             grad_reduce=case.grad_reduce, max_grad_norm=case.max_grad_norm,
-                                             _backend=case.backend, param_sync=case.param_sync,
-                                             master_weights=case.master, shard_group=shard_group(case.shard),
-                                             grad_reduce_dtype=case.reduce_dtype)
-    if case.dtype == torch.float32:
-        ref_params = list(ref_model.parameters())
-        ref_opt = getattr(torch.optim, case.opt)(param_groups(ref_model, case), foreach=False)
-        masters = None
-    else:  # mixed precision: torch.optim on fp32 master copies
-        ref_params = list(ref_model.parameters())
+        opts = [getattr(fused_zero, kind)(groups, **options) for kind, groups in optimizer_groups(model, case)]
+    ref_params = list(ref_model.parameters())
+    masters = None
+    ref_groups = optimizer_groups(ref_model, case)
+    if case.dtype != torch.float32:  # mixed precision: torch.optim on fp32 master copies
         masters = [p.detach().float().requires_grad_(True) for p in ref_params]
-        groups = param_groups(ref_model, case)
         index = {id(p): i for i, p in enumerate(ref_params)}
-        for g in groups:
-            g["params"] = [masters[index[id(p)]] for p in g["params"]]
-        ref_opt = getattr(torch.optim, case.opt)(groups, foreach=False)
-    return model, ddp, opt, ref_model, ref_ddp, ref_opt, masters
+        for _, groups in ref_groups:
+            for g in groups:
+                g["params"] = [masters[index[id(p)]] for p in g["params"]]
+    ref_opts = [getattr(torch.optim, kind)(groups, **({} if kind == "Muon" else {"foreach": False}))
+                for kind, groups in ref_groups]
+    if len(opts) == 1:
+        return model, ddp, opts[0], ref_model, ref_ddp, ref_opts[0], masters
+    return model, ddp, Optimizers(opts), ref_model, ref_ddp, Optimizers(ref_opts), masters
 
 
 def compress_hook(dtype: torch.dtype):
@@ -247,7 +302,8 @@ def _broken_update(case: Case, opt, model, step_of):
     how, at, name = case.breaks
     engine = opt._engine
     pid = engine.pid_of[dict(model.named_parameters())[name]]
-    real = engine.algo.update
+    algo = engine.members[0].algo
+    real = algo.update
 
     def update(backend, rows, segments, coefs, args):
         if step_of() != at or not any(r[4] == pid for r in rows):
@@ -256,11 +312,11 @@ def _broken_update(case: Case, opt, model, step_of):
         if how == "double":
             real(backend, [r for r in rows if r[4] == pid], segments, coefs, args)
 
-    engine.algo.update = update
+    algo.update = update
     try:
         yield
     finally:
-        engine.algo.update = real
+        algo.update = real
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:

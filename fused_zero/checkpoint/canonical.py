@@ -13,6 +13,10 @@ weights, without which a resumed run restarts from rounded weights and drifts. t
 ``load_state_dict`` keeps unknown keys as they are (cast to the parameter's dtype like the rest) and its
 ``step()`` never reads them; a dict without them (torch.optim's) starts the masters from the parameters.
 
+Each fused_zero optimizer over a DDP module has its own dict (Muon's beside AdamW's): ``engine`` here is
+one optimizer's share of the module's engine (pipeline/members.MemberView), with its parameters in its
+own order (``i``) and its state names in each shard.
+
 The dict is assembled on the calling rank, one slice at a time (``StateDictBuilder``): its own slices and
 the replicated tail from its regions, every other rank's slices as that rank's server sends them
 (serving.py). The layout module says where each element lives; this module only walks its pieces. With
@@ -33,12 +37,12 @@ from ..pipeline.strides import strided_view
 from .checks import MASTER_KEY
 
 
-def has_state(engine, pid: int) -> bool:
+def has_state(engine, i: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum)."""
-    if engine.step_counts.host()[pid] == 0:
+    if engine.counts()[i] == 0:
         return False
     if engine.algo.kind == "sgd":
-        return engine.opt.param_groups[engine.group_of[pid]]["momentum"] != 0
+        return engine.opt.param_groups[engine.group_of[i]]["momentum"] != 0
     return True
 
 
@@ -80,13 +84,13 @@ def written_by(engine, peers, writer: int) -> dict:
 
 def sharded_slices(engine) -> list:
     """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
-    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in shard.names]
+    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in engine.names(shard)]
 
 
 def layout_fingerprint(engine) -> int:
     """What requester and server must agree on for a slice to mean the same elements on both."""
     layouts = [(s.layout.numel, s.layout.head, s.layout.shard, tuple(s.layout.pids), tuple(s.layout.offsets),
-                tuple(s.names)) for s in engine.shards()]
+                tuple(engine.names(s))) for s in engine.shards()]
     return zlib.crc32(repr(layouts).encode())
 
 
@@ -113,19 +117,20 @@ class StateDictBuilder:
         for shard in engine.shards():
             layout = shard.layout
             order = sorted(range(len(layout.pids)), key=layout.offsets.__getitem__)
-            rows = [self._entry(layout.pids[local], shard) for local in order]
+            rows = [self._entry(engine.local_of.get(layout.pids[local]), shard) for local in order]
             self._targets[id(shard)] = ([layout.offsets[i] for i in order], [layout.numels[i] for i in order], rows)
 
-    def _entry(self, pid: int, shard) -> dict | None:
+    def _entry(self, i: int | None, shard) -> dict | None:
+        """The dict's entry of the optimizer's parameter ``i`` (None: another optimizer's)."""
         e = self.engine
-        if not has_state(e, pid):
+        if i is None or not has_state(e, i):
             return None
-        p = e.params[pid]
+        p = e.params[i]
         entry = self.state.setdefault(self._index[id(p)], {})
         if e.algo.kind == "adam":
-            entry["step"] = torch.tensor(float(e.step_counts.host()[pid]), dtype=torch.float32, device="cpu")
+            entry["step"] = torch.tensor(float(e.counts()[i]), dtype=torch.float32, device="cpu")
         flats = {}
-        for name in shard.names:  # bucket order is the parameter's memory order (strides.py)
+        for name in e.names(shard):  # bucket order is the parameter's memory order (strides.py)
             flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
         return flats
@@ -148,7 +153,7 @@ class StateDictBuilder:
             layout = shard.layout
             rank = layout.rank  # within the shard group
             mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
-            for name in shard.names:
+            for name in self.engine.names(shard):
                 region = shard.values(name)  # decoded to fp32 where the moments are stored compact
                 if layout.shard:
                     self.add(shard, name, rank * layout.shard, region[mine].cpu())
@@ -182,19 +187,19 @@ def run_state_init_step(engine) -> None:
     engine.steps += 1
 
 
-def local_entry(engine, pid: int) -> dict:
+def local_entry(engine, i: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
-    shard, local = engine.registry.where[pid]
+    shard, local = engine.where(i)
     me = shard.layout.rank
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
             if owner in (me, REPLICATED)]
     entry = {}
     if engine.algo.kind == "adam":
-        entry["step"] = torch.tensor(float(engine.step_counts.host()[pid]), dtype=torch.float32, device="cpu")
+        entry["step"] = torch.tensor(float(engine.counts()[i]), dtype=torch.float32, device="cpu")
     engine.synchronize()
-    for name in shard.names:
+    for name in engine.names(shard):
         region = shard.values(name)
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()

@@ -18,10 +18,12 @@ MASTER_KEY = "fp32_master"
 """The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.
 torch.optim loads it as an unknown key (carried along, never read), see canonical.py."""
 
-_KIND_NAMES = {"adam": "Adam/AdamW", "sgd": "SGD"}
-_FOREIGN_STATE = {"adam": ("momentum_buffer",), "sgd": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-_GROUP_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"), "sgd": ("lr", "momentum", "dampening",
-                                                                       "weight_decay", "nesterov")}
+_KIND_NAMES = {"adam": "Adam/AdamW", "sgd": "SGD", "muon": "Muon"}
+_FOREIGN_STATE = {"adam": ("momentum_buffer",), "sgd": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                  "muon": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+_GROUP_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"),
+               "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+               "muon": ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients", "ns_steps")}
 
 
 class StateDictError(ValueError):
@@ -40,9 +42,8 @@ def check_structure(sd, kind: str) -> None:
             raise StateDictError(f"param group {i} of the state dict has no 'params' list")
         missing = [k for k in _GROUP_KEYS[kind] if k not in g]
         if missing:
-            other = next(k for k in _KIND_NAMES if k != kind)
-            hint = (f": it looks like {_KIND_NAMES[other]} state" if all(k in g for k in _GROUP_KEYS[other])
-                    else "")
+            other = next((k for k in _KIND_NAMES if k != kind and all(key in g for key in _GROUP_KEYS[k])), None)
+            hint = f": it looks like {_KIND_NAMES[other]} state" if other else ""
             raise StateDictError(f"param group {i} of the state dict lacks {missing}, which "
                                  f"{_KIND_NAMES[kind]} needs{hint}")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..options import ShardingOptions, collect_params
+from ..options import ShardingOptions, member_params
 from ..pipeline import rebuild
 from ..pipeline.strides import memory_order
 from ..pipeline.topology import world_and_rank
@@ -57,8 +57,9 @@ class Target:
 
 
 def _of_engine(engine) -> Target:
+    """``engine``: one optimizer's share of the engine (pipeline/members.MemberView), as everywhere here."""
     engine.synchronize()  # the masters are compared with the parameters
-    masters = ["master" in engine.registry.where[pid][0].names for pid in range(len(engine.params))]
+    masters = ["master" in engine.where(i)[0].names for i in range(len(engine.params))]
     return Target(engine.opt, engine.algo, engine.params, masters, engine.world, engine.rank, engine.group,
                   engine.device)
 
@@ -108,7 +109,7 @@ def check_at_attach(opt, ddp, options: dict, kept: dict | None):
     agreed on by every rank of the DDP group (a collective). Returns what ``apply_at_attach`` lays out,
     or None; raises StateDictError on every rank, having changed nothing."""
     sharding = ShardingOptions(**options)
-    params, _ = collect_params(opt.param_groups, ddp)
+    params, _ = member_params(opt.param_groups, ddp)
     group = ddp.process_group
     world, rank = world_and_rank(group)
     target = Target(opt, opt._algorithm, params, [sharding.keeps_master(p.dtype) for p in params], world, rank, group,
@@ -182,32 +183,35 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     engine.synchronize()
     hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
     engine.holding = engine.holding or hold
+    member = engine.member.index
     for shard in engine.shards():
-        shard.init_master_from_params()
+        shard.init_master_from_params(member)
         filled = {name: shard.values("master") if name == "master" else
                   torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
-                  for name in shard.names}
+                  for name in engine.names(shard)}
         for piece in shard.layout.pieces(shard.layout.rank):
-            pid = shard.layout.pids[piece.local]
-            saved = entries[pid]
+            i = engine.local_of.get(shard.layout.pids[piece.local])
+            if i is None:
+                continue  # another optimizer's parameter
+            saved = entries[i]
             for name, region in filled.items():
                 value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
-                flat = memory_order(value.detach(), engine.params[pid])
+                flat = memory_order(value.detach(), engine.params[i])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
         for name, region in filled.items():  # moments encoded in their format, as an update would
-            if region is not shard.live(name):
-                shard.load_values(name, region, hold)
+            if region is not shard.live(name, member):
+                shard.load_values(name, region, hold, member)
     steps = engine.steps
-    for pid, saved in entries.items():
-        steps[pid] = saved_step(engine, saved)
+    for i, saved in entries.items():
+        steps[i] = saved_step(engine, saved)
     engine.steps = steps
 
 
 def saved_step(engine, saved: dict) -> float:
-    if engine.algo.kind == "sgd" and "step" not in saved:
+    if engine.algo.kind in ("sgd", "muon") and "step" not in saved:  # torch keeps no count for these
         return 1.0 if saved.get("momentum_buffer") is not None else 0.0
     step = saved.get("step", 0.0)
     return float(step.item() if isinstance(step, torch.Tensor) else step)

@@ -164,7 +164,7 @@ def _dim_order(p: torch.Tensor) -> list[int] | None:
 def _describe(engine) -> dict:
     index = canonical.param_index(engine.opt)
     return {"format": FORMAT, "kind": engine.algo.kind,
-            "state": sorted({_state_key(n) for s in engine.shards() for n in s.names}),
+            "state": sorted({_state_key(n) for s in engine.shards() for n in engine.names(s)}),
             "shapes": {index[id(p)]: list(p.shape) for p in engine.params},
             "orders": {index[id(p)]: _dim_order(p) for p in engine.params}}
 
@@ -180,15 +180,15 @@ def sharded_state_dict(engine) -> dict:
     group = engine.topology.shard_group
     mesh = None if group is None else DeviceMesh.from_group(group, engine.device.type)
     stored, blocks = {}, {}
-    for pid, p in enumerate(engine.params):
-        shard, local = engine.registry.where[pid]
+    counts = engine.counts()
+    for i, p in enumerate(engine.params):
+        shard, local = engine.where(i)
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
-        step = float(engine.step_counts.host()[pid])
-        entry = {"step": torch.tensor(step, dtype=torch.float32, device="cpu")}  # torch.optim's
-        for name in shard.names:
-            dtype = _saved_dtype(engine, pid, name, compact=mesh is not None)
+        entry = {"step": torch.tensor(float(counts[i]), dtype=torch.float32, device="cpu")}  # torch.optim's
+        for name in engine.names(shard):
+            dtype = _saved_dtype(engine, i, name, compact=mesh is not None)
             if dtype in STORED:  # copies of the stored runs
-                part = _part_of(shard, pid, name, dtype, parts) if mine else None
+                part = _part_of(shard, int(engine.pids[i]), name, dtype, parts) if mine else None
                 chunks = [part.stored(name, off, hi - lo).clone() for lo, hi, off in mine]
             else:
                 if (id(shard), name) not in regions:
@@ -221,11 +221,11 @@ def _part_of(shard, pid: int, name: str, dtype: torch.dtype, parts: dict):
     return part
 
 
-def _saved_dtype(engine, pid: int, name: str, compact: bool) -> torch.dtype:
+def _saved_dtype(engine, i: int, name: str, compact: bool) -> torch.dtype:
     """What a parameter's state tensor is saved as, the same on every rank (DCP keeps one rank's
     metadata): its format's dtype, but fp32 for masters, without a process group (``compact`` False: no
     DTensor receives into fp32), and for 8-bit moments a load holds in fp32 until DDP's rebuild."""
-    fmt = engine.state_formats[pid]
+    fmt = engine.state_formats[i]
     if name == "master" or not compact or (engine.holding and fmt == "8bit"):
         return torch.float32
     return DTYPES[fmt]
@@ -237,16 +237,17 @@ def _gather_blocks(engine, index, group) -> dict:
     tail's are rank 0's, as its chunks are). Worked out in numpy: nothing here touches the device but
     the one read of each part's scales."""
     mine: dict[tuple, list] = {}
+    params = engine.engine.params  # the part tables' indices are the engine's
     for shard in engine.shards():
         me, layout = shard.layout.rank, shard.layout
-        for part in shard.parts:
+        for part in engine.parts(shard):
             names = [n for n, t in part.state.items() if t.dtype == torch.uint8]
             if not names:
                 continue
             table = part.table.numpy()
             if layout.tail and me != 0:
                 table = table[part.region_offsets(part.table[:, 0]).numpy() < layout.region_tail(me)[0]]
-            i_of = np.array([index[id(engine.params[pid])] for pid in table[:, 4].tolist()], dtype=np.int64)
+            i_of = np.array([index[id(params[pid])] for pid in table[:, 4].tolist()], dtype=np.int64)
             order = np.argsort(i_of, kind="stable")
             keys, firsts = np.unique(i_of[order], return_index=True)
             for name in names:
@@ -308,15 +309,15 @@ def _check(engine, sd):
     index = canonical.param_index(engine.opt)
     engine.synchronize()
     values = {}
-    for pid, p in enumerate(engine.params):
+    for pid, p in enumerate(engine.params):  # the optimizer's own order
         i = index[id(p)]
         entry = sd["state"][i]
         where = f"parameter {i} (shape {tuple(p.shape)})"
         step = entry["step"]
         local = {"step": step}
-        shard, loc = engine.registry.where[pid]
+        shard, loc = engine.where(pid)
         mine_runs = _owned(shard.layout.owners(loc, shard.layout.rank), shard.layout.rank)
-        for name in shard.names:
+        for name in engine.names(shard):
             by_offset = _chunks(entry[_state_key(name)], mine_runs, p.numel())
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
@@ -333,7 +334,7 @@ def _check(engine, sd):
                 if not torch.equal(flat.to(p.dtype), params):
                     raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
                                          "the model's weights before the optimizer's state")
-        required = [_state_key(n) for n in shard.names] + ["step"]
+        required = [_state_key(n) for n in engine.names(shard)] + ["step"]
         checks.check_entry(engine, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
                                  required)
         values[pid] = local
@@ -366,17 +367,20 @@ def _apply(engine, groups, values) -> None:
     for g, merged in zip(opt.param_groups, groups):
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
-    steps = engine.steps
+    steps, member = engine.steps, engine.member.index
     hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
     engine.holding = engine.holding or hold
     for shard in engine.shards():
-        names = shard.names
-        # the state itself where it is fp32, else a region to encode from: every slot a row covers is
-        # filled below (this rank's runs, the tail from rank 0), so nothing needs decoding first
-        regions = {name: shard.live(name) if shard.live(name) is not None else
+        names = engine.names(shard)
+        # the state itself where it is fp32, else a region to encode from: every slot of the optimizer's
+        # rows is filled below (this rank's runs, the tail from rank 0), so nothing needs decoding first
+        regions = {name: shard.live(name, member) if shard.live(name, member) is not None else
                    torch.zeros(shard.layout.region_size, dtype=torch.float32, device=shard.device) for name in names}
         me = shard.layout.rank
-        for local, pid in enumerate(shard.layout.pids):
+        for local, gpid in enumerate(shard.layout.pids):
+            pid = engine.local_of.get(gpid)
+            if pid is None:
+                continue  # another optimizer's parameter
             saved = values[pid]
             pos = 0
             for lo, hi, off in _owned(shard.layout.owners(local, me), me):
@@ -391,6 +395,6 @@ def _apply(engine, groups, values) -> None:
             for f, n in enumerate(names):
                 regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
-            if regions[name] is not shard.live(name):
-                shard.load_values(name, regions[name], hold)
+            if regions[name] is not shard.live(name, member):
+                shard.load_values(name, regions[name], hold, member)
     engine.steps = steps

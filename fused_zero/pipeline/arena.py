@@ -1,8 +1,9 @@
-"""One update launch per step, dtype and state format (overlap modes ``backward`` and ``step``).
+"""One update launch per step, dtype, member and state format (overlap modes ``backward`` and ``step``).
 
 A launch needs one base pointer per buffer it reads. Three of them are ours and can be made one:
 once DDP's buckets are stable, every shard's parameter buffer of one dtype moves into one allocation
-(the *arena*), and its state into one allocation per state format and name (the parts of shard.py),
+(the *arena*), and its state into one allocation per member, state format and name (the parts of
+shard.py),
 so one row offset serves exp_avg, exp_avg_sq and the master alike. The gradients are DDP's, one
 allocation per bucket: the Triton backend addresses them from the lowest-addressed bucket buffer of
 the dtype with int64 element offsets ``(buffer.data_ptr() - base.data_ptr()) // element_size`` (never
@@ -37,13 +38,13 @@ def _aligned(n: int) -> int:
 
 class Arena:
     """One dtype's shards, their parameter buffers moved into one allocation, and their state into one
-    allocation per state format and name (a format's parts of every shard, see shard.py).
+    allocation per member, state format and name (those parts of every shard, see shard.py).
 
     Attributes:
         shards: the shards, in arena order.
         params: the tensor holding every shard's parameter buffer (``shard.param_buffer`` are views);
             ``param_at`` each shard's first element there.
-        formats: state format -> FormatState, in the order the shards' parts first name them.
+        formats: (member, state format) -> FormatState, in the order the shards' parts first name them.
     """
 
     def __init__(self, shards: list[BucketShard]):
@@ -57,19 +58,19 @@ class Arena:
         self.formats: dict[str, FormatState] = {}
         for shard in shards:
             for part in shard.parts:
-                if part.format not in self.formats:
-                    self.formats[part.format] = FormatState(shards, part.format, device)
-        placed = {fmt: fs.views() for fmt, fs in self.formats.items()}
+                if part.key not in self.formats:
+                    self.formats[part.key] = FormatState(shards, part.key, device)
+        placed = {key: fs.views() for key, fs in self.formats.items()}
         for k, (shard, po) in enumerate(zip(shards, self.param_at)):
-            shard.relocate([placed[part.format][k] for part in shard.parts],
+            shard.relocate([placed[part.key][k] for part in shard.parts],
                            self.params[po:po + shard.layout.numel])
 
 
 class FormatState:
-    """One state format's parts of an arena's shards, back to back.
+    """One member's parts of one state format of an arena's shards, back to back.
 
     Attributes:
-        format: the state format.
+        key: the parts' ``(member, state format)``.
         state: state name -> tensor holding every shard's part (``part.state[name]`` are views).
         scales: 8-bit moments' scales of every part back to back, in arena order, as the launch numbers
             the rows of its table (``part.scales[name]`` are views); else empty.
@@ -77,9 +78,9 @@ class FormatState:
         size: slots of each state tensor.
     """
 
-    def __init__(self, shards: list[BucketShard], fmt: str, device: torch.device):
-        self.format = fmt
-        self.parts = [next((p for p in shard.parts if p.format == fmt), None) for shard in shards]
+    def __init__(self, shards: list[BucketShard], key: tuple[int, str], device: torch.device):
+        self.key = key
+        self.parts = [next((p for p in shard.parts if p.key == key), None) for shard in shards]
         self.state_at, self.scale_at = [], []
         n_state = n_scale = 0
         for part in self.parts:
@@ -128,26 +129,24 @@ class BucketGrads:
 
 
 class Launch:
-    """One update launch over one state format's parts of every shard of an arena, for given bucket
-    buffers; the first format's launch of a dtype also carries the norm pass over all its shards.
+    """One update launch over one member's parts of one state format of every shard of an arena, for given
+    bucket buffers, with the norm pass over the same parts' gradients.
 
     Attributes:
         fs: the arena's FormatState this launch updates.
         rows, segments: the update's rows over all parts (arena state and parameter offsets, gradient
             offsets from the base bucket buffer); ``segments`` on the device (Triton backend only);
             ``table`` their host row table, ``blocks`` its 8-bit blocks (torch backend only).
-        norm_rows, norm_segments: the rows whose gradients count towards the global norm (empty but in
-            the first format's launch).
+        norm_rows, norm_segments: the rows whose gradients count towards the global norm.
         base: index of the shard whose buffer is the gradients' base (Triton backend).
         ptrs: the buffers' addresses the gradient offsets were computed from.
         cuts_like_shards: the rows cut every part as its own table does (always, without 8-bit
             moments); else the step takes one launch per bucket.
     """
 
-    def __init__(self, arena: Arena, fmt: str, buffers: list[torch.Tensor], backend: str, upload=None):
+    def __init__(self, arena: Arena, key: tuple[int, str], buffers: list[torch.Tensor], backend: str, upload=None):
         self.arena, self.backend = arena, backend
-        self.fs = fs = arena.formats[fmt]
-        with_norm = fmt == next(iter(arena.formats))
+        self.fs = fs = arena.formats[key]
         self.ptrs = [b.data_ptr() for b in buffers]
         if backend == "triton":
             size = buffers[0].element_size()
@@ -164,10 +163,9 @@ class Launch:
                 pos += -(-(b.numel() + 1) // VEC) * VEC
         self.grad_at = grad_at
         self.rows, self.norm_rows = [], []
-        for shard, part, so, po, go, buf in zip(arena.shards, fs.parts, fs.state_at, arena.param_at, grad_at,
-                                                buffers):
+        for part, so, po, go, buf in zip(fs.parts, fs.state_at, arena.param_at, grad_at, buffers):
             for rows, out in ((part.rows if part is not None else [], self.rows),
-                              (shard.norm_rows if with_norm else [], self.norm_rows)):
+                              (part.norm_rows if part is not None else [], self.norm_rows)):
                 for s, n, p, g, pid, elem in rows:
                     if g + n > buf.numel():
                         raise ValueError(f"a row reaches element {g + n} of a bucket of {buf.numel()}")
@@ -206,11 +204,12 @@ def _cuts_like_shards(fs: FormatState, combined: torch.Tensor) -> bool:
 
 class SingleLaunch:
     """The engine's entry point: packs the shards into arenas once the buckets are stable, and gives
-    each step's launches (one per dtype and state format) when every shard of the step is in them.
+    each step's launches (one per dtype, member and state format) when every shard of the step is in
+    them.
 
     Attributes:
         arenas: dtype -> Arena, built by ``pack``; empty until then.
-        launches: (dtype, state format) -> Launch for the bucket buffers last seen.
+        launches: (dtype, (member, state format)) -> Launch for the bucket buffers last seen.
     """
 
     def __init__(self, registry, backend: str):
@@ -238,10 +237,10 @@ class SingleLaunch:
         self.arenas = {dtype: Arena(shards) for dtype, shards in by_dtype.items()}
         self.launches = {}
 
-    def for_step(self, shards: list[BucketShard]) -> list[tuple[Launch, list[torch.Tensor]]] | None:
-        """``(launch, its bucket buffers)`` per dtype and state format when ``shards`` (with their
+    def for_step(self, shards: list[BucketShard], skip=()) -> list[tuple[Launch, list[torch.Tensor]]] | None:
+        """``(launch, its bucket buffers)`` per dtype, member and state format when ``shards`` (with their
         ``reduced_buffer``) are exactly the arenas' shards; None when they are not (one launch per
-        bucket then)."""
+        bucket then). ``skip``: keys the caller launches per part (Muon's, update/muon.py)."""
         if not self.arenas or len(shards) != sum(len(a.shards) for a in self.arenas.values()):
             return None
         index = {id(s): s for s in shards}
@@ -250,10 +249,12 @@ class SingleLaunch:
             if any(id(s) not in index for s in arena.shards):
                 return None
             buffers = [s.reduced_buffer for s in arena.shards]
-            for fmt in arena.formats:
-                launch = self.launches.get((dtype, fmt))
+            for key in arena.formats:
+                if key[0] in skip:
+                    continue
+                launch = self.launches.get((dtype, key))
                 if launch is None or not launch.matches(buffers):
-                    launch = self.launches[(dtype, fmt)] = Launch(arena, fmt, buffers, self.backend,
+                    launch = self.launches[(dtype, key)] = Launch(arena, key, buffers, self.backend,
                                                                   self.registry.upload)
                 if not launch.cuts_like_shards:
                     return None

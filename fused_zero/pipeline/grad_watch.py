@@ -35,12 +35,15 @@ class GradWatch:
     def _record(self) -> None:
         self.seen = [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
 
-    def edited(self) -> list[int]:
-        """Indices of the parameters whose ``.grad`` changed since it was recorded."""
+    def edited(self, pids) -> list[int]:
+        """Which of the parameters ``pids`` (indices) had their ``.grad`` changed since it was recorded:
+        each optimizer over the module asks for its own at its ``step()``, before its ``zero_grad()``
+        (which another optimizer's later ``step()`` must not take for an edit)."""
         if self.seen is None:
             return []
         out = []
-        for i, (p, rec) in enumerate(zip(self.params, self.seen)):
+        for i in pids:
+            p, rec = self.params[i], self.seen[i]
             g = p.grad
             if rec is None:
                 if g is not None:

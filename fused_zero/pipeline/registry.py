@@ -36,16 +36,18 @@ class ShardRegistry:
             iteration means DDP's buckets were all known (arena.py packs the shards then).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[str], keeps_master,
-                 upload, device: torch.device, topology, state_formats: list[str]):
-        """``state_formats``: each parameter's moment format (its param group's), by optimizer index."""
+    def __init__(self, params: list[torch.nn.Parameter], *, state_names: list[list[str]], keeps_master,
+                 upload, device: torch.device, topology, members: np.ndarray, state_formats: list[str]):
+        """``state_names``: each member's (pipeline/members.py); ``members``, ``state_formats``: each
+        parameter's member and moment format (its param group's), by optimizer-wide index."""
         self.params = params
         self.state_names = state_names
+        self.members = members
         self.keeps_master = keeps_master
         self.upload = upload  # the kernels' row tables to the device (Triton backend), or None
         self.state_formats = state_formats
         self.device = device
-        # the shard group's (topology.py), and which rows count towards global sums (BucketShard.norm_rows)
+        # the shard group's (topology.py), and which rows count towards global sums (Part.norm_rows)
         self.group, self.world, self.rank = topology.shard_group, topology.shard_size, topology.shard_rank
         self.counts = (topology.counts_slice, topology.counts_tail)
         self.where: dict[int, tuple[BucketShard, int]] = {}
@@ -137,8 +139,9 @@ class ShardRegistry:
         dtype = self.params[layout.pids[0]].dtype
         return BucketShard(
             layout, [self.params[i] for i in layout.pids], state_names=self.state_names,
-            master=self.keeps_master(dtype), device=self.device,
-            dtype=dtype, state_formats=[self.state_formats[i] for i in layout.pids], upload=self.upload,
+            master=self.keeps_master(dtype), device=self.device, dtype=dtype,
+            members=[int(self.members[i]) for i in layout.pids],
+            state_formats=[self.state_formats[i] for i in layout.pids], upload=self.upload,
             counts=self.counts)
 
     def _move_state(self, new: BucketShard) -> None:

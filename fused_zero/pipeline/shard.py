@@ -3,12 +3,14 @@ of, this rank's region of optimizer state, the kernel rows, and the handle of th
 brings the updated parameters back. The gradient is not ours: the reduction runs in place in DDP's
 bucket buffer and the kernels read it there.
 
-The region's state is kept in *parts*, one per state format (``state_format``, set per param group)
-of the bucket's parameters. A bucket of one format has one part, region-shaped: slot ``i`` of its
-tensors is slot ``i`` of the region. A bucket mixing formats has one part per format, each holding
-only its parameters' runs, packed back to back: every run keeps its region offset modulo
-``PART_ALIGN``, so its kernel rows are cut (and its 8-bit blocks fall) exactly as they would in a
-region-shaped part, and the kernels, which index state by a row's offset, run unchanged on a part.
+The region's state is kept in *parts*, one per member and state format of the bucket's parameters: a
+*member* is one of the fused_zero optimizers over the DDP module (pipeline/members.py; one in most
+programs), with its own algorithm and state names, and ``state_format`` is set per param group. A
+bucket of one member and format has one part, region-shaped: slot ``i`` of its tensors is slot ``i`` of
+the region. Otherwise each part holds only its parameters' runs, packed back to back: every run
+keeps its region offset modulo ``PART_ALIGN``, so its kernel rows are cut (and its 8-bit blocks fall)
+exactly as they would in a region-shaped part, and the kernels, which index state by a row's offset,
+run unchanged on a part.
 ``values`` and ``store_values`` translate between the region and the parts: everything outside the
 update (checkpoints, resharding) sees region-shaped fp32.
 """
@@ -36,9 +38,10 @@ kernels' vector width)."""
 
 @dataclass
 class Part:
-    """The state of one format's parameters in a shard.
+    """The state of one member's parameters of one format in a shard.
 
     Attributes:
+        member: the member (optimizer) whose parameters these are: its algorithm updates them.
         format: the moments' storage format (update/formats.py).
         state: state name -> tensor of ``size`` slots in that format (fp32 ``"master"``).
         scales: 8-bit moments' fp32 scales, one per row of ``table``; else empty.
@@ -48,8 +51,12 @@ class Part:
         spans: ``(region_off, part_off, length)`` runs: where the part's slots sit in the region.
         size: slots of each state tensor.
         region_shaped: the shard's only part: slot ``i`` is region slot ``i``.
+        norm_rows / norm_segments: the rows whose gradients count towards the global norm and the
+            non-finite count: each element once over DDP's group, so the slice on the first replica only
+            and the replicated tail on one rank (``counts``, from pipeline/topology.py). Gradients only.
     """
 
+    member: int
     format: str
     state: dict
     scales: dict
@@ -60,6 +67,13 @@ class Part:
     spans: list
     size: int
     region_shaped: bool
+    norm_rows: list
+    norm_segments: object
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """What one launch updates: a member's parameters of one format (arena.py)."""
+        return self.member, self.format
 
     def region_values(self, name: str, out: torch.Tensor) -> None:
         """Write this part's ``name`` decoded to fp32 into its slots of region-shaped ``out``."""
@@ -144,63 +158,66 @@ def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]
 class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
-        params: the bucket's parameters, in bucket order; ``pids`` their optimizer indices (numpy).
+        params: the bucket's parameters, in bucket order; ``pids`` their optimizer indices (numpy),
+            ``members`` their members'.
         all_active: read-only all-True flags, one per parameter (a bucket where every parameter got a
             gradient, without a new array per bucket and step).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
             ``.data`` is a view of it, so the all-gather writes parameters in place.
-        names: the state names (``"master"`` last, with master weights).
-        parts: the state, one Part per format of the bucket's parameters (module docstring).
-        norm_rows / norm_segments: the rows whose gradients count towards the global norm and the
-            non-finite count: each element once over DDP's group, so the slice on the first replica only
-            and the replicated tail on one rank (``counts``, from pipeline/topology.py). Gradients only:
-            their state offsets are the region's.
+        names: every state name some part holds (``"master"`` last, with master weights).
+        parts: the state, one Part per member and format of the bucket's parameters (module docstring).
         gather: the pending all-gather's Work, or None.
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
         held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
     """
 
-    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[str],
-                 master: bool, device: torch.device, dtype: torch.dtype, state_formats: list[str],
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[list[str]],
+                 master: bool, device: torch.device, dtype: torch.dtype, members: list[int], state_formats: list[str],
                  upload=None, counts: tuple[bool, bool] | None = None):
-        """``state_formats``: each parameter's, in bucket order."""
+        """``state_names``: each member's; ``members``, ``state_formats``: each parameter's, in bucket order."""
         self.layout = layout
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
+        self.members = np.asarray(members, dtype=np.int64)
+        self._device_pids: dict[int, tuple] = {}  # member -> (device pids, their pinned source)
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
-        self._device_pids: tuple | None = None  # (device pids, their pinned source)
         self.held = False  # some 8-bit moment held in fp32 since a load (load_values)
         self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-        self.names = list(state_names) + (["master"] if master else [])
-        # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
-        rows, by_format = [], {}
-        for so, n, po, go, local, elem in layout.rows():
-            rows.append((so, n, po, go, layout.pids[local], elem))
-            by_format.setdefault(state_formats[local], []).append(rows[-1])
-        self.parts = [self._part(fmt, pieces, len(by_format) == 1, state_names, device, upload)
-                      for fmt, pieces in by_format.items()]
+        present = sorted(set(members))
+        self.names = list(dict.fromkeys(n for m in present for n in state_names[m])) + (["master"] if master else [])
         counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
-        self.norm_rows = [r for r in rows if (counts_slice if r[0] < tail_at else counts_tail)]
-        self.norm_segments = Segments.build(self.norm_rows, upload=upload) if upload is not None else None
+        # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
+        by_key: dict[tuple[int, str], list] = {}
+        for so, n, po, go, local, elem in layout.rows():
+            counted = counts_slice if so < tail_at else counts_tail
+            by_key.setdefault((members[local], state_formats[local]), []).append(
+                ((so, n, po, go, layout.pids[local], elem), counted))
+        self.parts = [self._part(key, pieces, len(by_key) == 1, state_names[key[0]], master, device, upload)
+                      for key, pieces in by_key.items()]
         self.gather: dist.Work | None = None
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # kept until the step has run
 
-    def _part(self, fmt: str, pieces: list, single: bool, state_names: list[str], device, upload) -> Part:
-        rows, spans, size = _part_spans(pieces, self.layout.region_size, single)
+    def _part(self, key: tuple[int, str], pieces: list, single: bool, state_names: list[str], master: bool,
+              device, upload) -> Part:
+        member, fmt = key
+        rows, spans, size = _part_spans([row for row, _ in pieces], self.layout.region_size, single)
+        norm_rows = [row for row, (_, counted) in zip(rows, pieces) if counted]
         moments = DTYPES[fmt]
         state = {name: torch.zeros(size, dtype=moments, device=device) for name in state_names}
-        if "master" in self.names:
+        if master:
             state["master"] = torch.zeros(size, dtype=torch.float32, device=device)
         table = row_table(rows)
         scales = {name: torch.zeros(table.shape[0], dtype=torch.float32, device=device)
                   for name in state_names} if moments == torch.uint8 else {}
         segments = Segments.build(rows, upload=upload) if upload is not None else None
+        norm_segments = Segments.build(norm_rows, upload=upload) if upload is not None else None
         blocks = formats.BlockTable(table, size, device, upload)
-        return Part(fmt, state, scales, rows, table, segments, blocks, spans, size, single)
+        return Part(member, fmt, state, scales, rows, table, segments, blocks, spans, size, single, norm_rows,
+                    norm_segments)
 
     @property
     def device(self) -> torch.device:
@@ -227,9 +244,10 @@ class BucketShard:
         self.param_buffer = param_buffer
         self.bind_params()
 
-    def init_master_from_params(self) -> None:
+    def init_master_from_params(self, member: int | None = None) -> None:
+        """Each part's masters from the parameters (``member``: that member's parts only)."""
         for part in self.parts:
-            master = part.state.get("master")
+            master = part.state.get("master") if member in (None, part.member) else None
             if master is not None:
                 for so, n, po, *_ in part.rows:
                     master[so:so + n].copy_(self.param_buffer[po:po + n])
@@ -244,12 +262,14 @@ class BucketShard:
             self._completed = done = (weakref.ref(buffer), fut)
         return done[1]
 
-    def device_pids(self, side) -> torch.Tensor:
-        """``pids`` as int64 on the device, uploaded at first use (``side.upload_kept``): the step counts
-        are added there (step_counts.py)."""
-        if self._device_pids is None:
-            self._device_pids = side.upload_kept(torch.from_numpy(self.pids.astype(np.int64)))
-        return self._device_pids[0]
+    def device_pids(self, member: int, side) -> torch.Tensor:
+        """The member's ``pids`` of the bucket, int64 on the device, uploaded at first use
+        (``side.upload_kept``): the step counts are added there (step_counts.py), on every rank, whether or
+        not this rank's region holds a row of them."""
+        if member not in self._device_pids:
+            mine = self.pids[self.members == member].astype(np.int64)
+            self._device_pids[member] = side.upload_kept(torch.from_numpy(mine))
+        return self._device_pids[member][0]
 
     def wait_gather(self) -> None:
         """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""
@@ -257,34 +277,40 @@ class BucketShard:
         if work is not None:
             work.wait()
 
-    def live(self, name: str) -> torch.Tensor | None:
-        """The region-shaped fp32 tensor that holds ``name`` itself, where there is one (one part, and
-        ``name`` stored in fp32); else None."""
-        if len(self.parts) == 1 and self.parts[0].state[name].dtype == torch.float32:
-            return self.parts[0].state[name]
-        return None
+    def live(self, name: str, member: int | None = None) -> torch.Tensor | None:
+        """The region-shaped fp32 tensor that holds ``name`` itself, where there is one (one part, of
+        ``member`` where given, and ``name`` stored in fp32); else None."""
+        one = self.parts[0] if len(self.parts) == 1 and member in (None, self.parts[0].member) else None
+        t = one.state.get(name) if one is not None else None
+        return t if t is not None and t.dtype == torch.float32 else None
+
+    def holding(self, name: str, member: int | None = None) -> list[Part]:
+        """The parts that hold ``name`` (``member``: of that member only)."""
+        return [p for p in self.parts if name in p.state and member in (None, p.member)]
 
     def values(self, name: str) -> torch.Tensor:
-        """One state name's region decoded to fp32 (``live(name)`` itself where there is one; slots no
-        row covers: 0)."""
+        """One state name's region decoded to fp32, from every part holding it (``live(name)`` itself
+        where there is one; slots no such part covers: 0)."""
         live = self.live(name)
         if live is not None:
             return live
         out = torch.zeros(self.layout.region_size, dtype=torch.float32, device=self.device)
-        for part in self.parts:
+        for part in self.holding(name):
             part.region_values(name, out)
         return out
 
-    def store_values(self, name: str, x: torch.Tensor) -> None:
-        """Encode fp32 region values ``x`` into one state name, as an update would."""
-        for part in self.parts:
+    def store_values(self, name: str, x: torch.Tensor, member: int | None = None) -> None:
+        """Encode fp32 region values ``x`` into one state name, as an update would (``member``: into that
+        member's parts only; the others keep theirs)."""
+        for part in self.holding(name, member):
             part.store_region(name, x)
 
-    def load_values(self, name: str, x: torch.Tensor, hold: bool) -> None:
-        """A checkpoint's fp32 region values ``x`` of one state name. ``hold``: 8-bit parts keep them in
-        fp32 until ``encode_held``, so that they are encoded once, in the blocks of the layout that
-        DDP's coming bucket rebuild makes (docs/compact-state.md, "An exact resume")."""
-        for part in self.parts:
+    def load_values(self, name: str, x: torch.Tensor, hold: bool, member: int | None = None) -> None:
+        """A checkpoint's fp32 region values ``x`` of one state name (``member``: of that member's
+        parameters, the others' state untouched). ``hold``: 8-bit parts keep them in fp32 until
+        ``encode_held``, so that they are encoded once, in the blocks of the layout that DDP's coming
+        bucket rebuild makes (docs/compact-state.md, "An exact resume")."""
+        for part in self.holding(name, member):
             if hold and name != "master" and DTYPES[part.format] == torch.uint8:
                 part.hold(name, x)
                 self.held = True

@@ -30,9 +30,9 @@ class StepPolicy:
         self.engine = engine
         self.watch = GradWatch(engine.params)
 
-    def check_scaler_use(self, via_scaler: bool) -> None:
-        """A GradScaler steps this optimizer if and only if it was given one."""
-        scaler, overlap = self.engine.scaler, self.engine.overlap
+    def check_scaler_use(self, member, via_scaler: bool) -> None:
+        """A GradScaler steps each optimizer if and only if it was given one."""
+        scaler, overlap = member.scaler, self.engine.overlap
         linked = scaler is not None and scaler.enabled
         if via_scaler and not linked:
             raise RuntimeError("scaler.step(optimizer) with a fused_zero optimizer that was not given the "
@@ -44,7 +44,24 @@ class StepPolicy:
             raise RuntimeError("this optimizer was built with grad_scaler=scaler: step it through "
                                "scaler.step(optimizer), then scaler.update()")
 
-    def check_second_backward(self) -> None:
+    def check_stepped_once(self, member, stepped: set) -> None:
+        """A member steps once per iteration: a second ``step()`` before the others' would step on the same
+        gradients twice, which the update (run once per bucket) cannot do."""
+        if member.index in stepped:
+            waiting = [m.name for m in self.engine.members if m.index not in stepped]
+            raise RuntimeError(f"{member.name}: step() called twice in one iteration, before "
+                               f"{', '.join(waiting)} stepped: call each optimizer's step() once after the "
+                               "backward")
+
+    def refuse_unstepped(self, stepped: set) -> None:
+        """A backward that starts while some member has not stepped since the last one."""
+        waiting = [m.name for m in self.engine.members if m.index not in stepped]
+        done = [m.name for m in self.engine.members if m.index in stepped]
+        raise RuntimeError(f"a backward started before {', '.join(waiting)} called step() (after "
+                           f"{', '.join(done)} did): every fused_zero optimizer over the DDP module steps once "
+                           "after each synced backward; nothing of this backward was reduced or applied")
+
+    def check_second_backward(self, stepped: set) -> None:
         """A synced backward after another one, with no ``step()`` between (gradient accumulation that
         syncs every micro-batch: Accelerate's ``sync_each_batch``, multi-loss loops). DDP + torch.optim
         step on the sum of both averages, which DDP leaves in ``param.grad``; so does overlap="step"
@@ -53,6 +70,8 @@ class StepPolicy:
         reduce-scattered in place), and this backward is refused at its first bucket, before anything
         of it is reduced or applied; every rank is at the same bucket, so every rank raises."""
         e = self.engine
+        if stepped:
+            self.refuse_unstepped(stepped)
         if e.overlap == "step" and e.grad_reduce == "all_reduce":
             return
         done = ("the first backward's update already ran inside it" if e.overlap != "step" else
@@ -72,10 +91,12 @@ class StepPolicy:
         return [[(k, (id(v), v._version) if isinstance(v, torch.Tensor) else v)
                  for k, v in g.items() if k != "params"] for g in param_groups]
 
-    def hparams_changed(self, key: list) -> list[str]:
-        """The param-group entries changed since ``key`` was taken (at the iteration's first bucket)."""
-        now = self.hparams_key(self.engine.opt.param_groups)
-        return [f"param group {i}: {k}" for i, (a, b) in enumerate(zip(key, now))
+    def hparams_changed(self, member, key: list) -> list[str]:
+        """The member's param-group entries changed since ``key`` was taken (at the iteration's first
+        bucket)."""
+        now = self.hparams_key(member.opt.param_groups)
+        owner = f"{member.name}: " if len(self.engine.members) > 1 else ""
+        return [f"{owner}param group {i}: {k}" for i, (a, b) in enumerate(zip(key, now))
                 for k in sorted({k for k, _ in a} | {k for k, _ in b}) if dict(a).get(k) != dict(b).get(k)]
 
     def refuse_hparams(self, changed: list[str]) -> None:
@@ -89,17 +110,16 @@ class StepPolicy:
             "(scheduler.step() right after optimizer.step(), as torch's schedulers expect; a warm-up before "
             "the forward), or use overlap='step', which reads param_groups in step()")
 
-    def edits(self, via_scaler: bool, grad_scale: torch.Tensor | None) -> tuple[list[int], bool]:
-        """The parameters whose ``.grad`` the user changed since the backward, and whether the update
-        honors the change. Honored edits are written back into the reduced buckets; the list returned
-        is then empty."""
+    def edits(self, member, via_scaler: bool, grad_scale: torch.Tensor | None) -> tuple[list[int], bool]:
+        """The member's parameters whose ``.grad`` the user changed since the backward, and whether the
+        update honors the change. Honored edits are written back into the reduced buckets; the list
+        returned is then empty."""
         e = self.engine
-        edited = self.watch.edited()
-        self.watch.clear()
+        edited = [int(i) for i in self.watch.edited(member.pids)]
         if via_scaler and grad_scale is None and e.overlap == "step" and e.scaler is not None:
             # the user's scaler.unscale_(opt) divided param.grad in place, with a fused op that leaves
             # the version counters as they were: every gradient counts as edited
-            edited = sorted(set(edited) | {i for i, p in enumerate(e.params) if p.grad is not None})
+            edited = sorted(set(edited) | {int(i) for i in member.pids if e.params[i].grad is not None})
         honored = bool(edited) and e.overlap == "step" and e.grad_reduce == "all_reduce"
         if honored:
             self._write_back(edited)  # this mode reads param.grad's values: the edit is honored

@@ -14,20 +14,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..update.algorithms import UpdateArgs, clip_coefficient
+from ..update.algorithms import UpdateArgs, clip_coefficient, grad_sumsq
 from . import collectives
 from .profiling import range_push
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
 from .topology import post_update_groups
+from .whole_matrix import WholeMatrix
 
 
 @dataclass
 class Unit:
-    """One update launch: its rows (and norm rows), coefficient table and buffers, and the buckets
-    whose updates end with it: a bucket's state may take several launches (one per state format), and
-    its all-gather starts after the last."""
+    """One update launch: a member's rows (and norm rows), its coefficient table and buffers, its parts
+    and the shards it covers: a bucket's state may take several launches (one per member and state
+    format), and its all-gather starts after the last."""
 
+    member: int
     rows: list
     segments: object
     blocks: object
@@ -38,7 +40,8 @@ class Unit:
     param: torch.Tensor
     state: dict
     scales: dict
-    items: list
+    parts: list
+    shards: list
 
 
 class Updates:
@@ -52,8 +55,14 @@ class Updates:
         topo = engine.topology
         self.gather_group, self.check_group = post_update_groups(topo) \
             if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
-        self._groups: torch.Tensor | None = None
-        self._pids_kept: tuple = ((), None)
+        self._groups: dict[int, torch.Tensor] = {}
+        self._pids_kept: dict[int, tuple] = {}  # member -> (shards, their pids on the device)
+        self._whole_matrix: dict[int, WholeMatrix] = {}  # phased members' steps (whole_matrix.py)
+
+    def _whole(self, member) -> WholeMatrix:
+        if member.index not in self._whole_matrix:
+            self._whole_matrix[member.index] = WholeMatrix(self.engine, member, self.gather_group)
+        return self._whole_matrix[member.index]
 
     @property
     def side(self):
@@ -83,40 +92,48 @@ class Updates:
             for group in ([item] for item in todo) if each_bucket else [todo]:
                 self._update(it, group, max_norm)
 
-    def _coefficient_table(self, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
-        """Every parameter's update scalars for this step, one row per parameter, on the update's device:
-        the host's columns uploaded, the step counts' written there (update/step_columns.py)."""
+    def _coefficient_table(self, member: int, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
+        """One member's update scalars for this step, one row per parameter of the engine (the other
+        members' rows inactive), on the update's device: the host's columns uploaded, the step counts'
+        written there (update/step_columns.py)."""
         e = self.engine
-        host = e.algo.coefficients(hparams, e.group_of, active, e.reduction.grad_div)
+        m = e.members[member]
+        group_idx = e.group_index(member)
+        host = m.algo.coefficients(hparams, group_idx, active * (e.member_of == member), e.reduction.grad_div)
         table = self.side.upload(host)
         with self.side.run(follow_current=False):
-            e.algo.fill_steps(table, hparams, e.group_of, e.step_counts, self._device_groups(),
+            m.algo.fill_steps(table, hparams, group_idx, e.step_counts, self._device_groups(member),
                               e.options.seed if e.options.stochastic_rounding else None, self.side.upload)
         return table
 
-    def _device_groups(self) -> torch.Tensor:
-        """Each parameter's param group, int64 on the device (uploaded once)."""
-        if self._groups is None:
-            self._groups = self.side.upload(torch.from_numpy(np.asarray(self.engine.group_of, dtype=np.int64)))
-        return self._groups
+    def _device_groups(self, member: int) -> torch.Tensor:
+        """Each parameter's param group in ``member``, int64 on the device (uploaded once)."""
+        if member not in self._groups:
+            groups = np.asarray(self.engine.group_index(member), dtype=np.int64)
+            self._groups[member] = self.side.upload(torch.from_numpy(groups))
+        return self._groups[member]
 
-    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> torch.Tensor:
-        """The table a bucket's update reads: the iteration's shared one (every row active), with this
-        bucket's rows of column 0 set from all-reduced flags on the device, or a table of its own where
-        the host knows that some parameter of the bucket got no gradient."""
+    def _tables(self, it, active: np.ndarray) -> list[torch.Tensor]:
+        return [self._coefficient_table(m.index, it.hparams[m.index], active) for m in self.engine.members]
+
+    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> list[torch.Tensor]:
+        """The tables (one per member) a bucket's update reads: the iteration's shared ones (every row
+        active), with this bucket's rows of column 0 set from all-reduced flags on the device, or tables
+        of its own where the host knows that some parameter of the bucket got no gradient."""
         n = len(self.engine.params)
-        if it.coefs is None:  # the iteration's first table, before any of its updates
+        if it.coefs is None:  # the iteration's first tables, before any of its updates
             self.engine.step_counts.begin_iteration()
-            it.coefs = self._coefficient_table(it.hparams, np.ones(n))
+            it.coefs = self._tables(it, np.ones(n))
         if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
-            it.coefs[:, 0].index_copy_(0, pids, (used > 0).to(it.coefs.dtype))
+            for table in it.coefs:  # another member's rows are read by no launch of this member
+                table[:, 0].index_copy_(0, pids, (used > 0).to(table.dtype))
             return it.coefs
         if active.all():
             return it.coefs
         mask = np.ones(n)
         mask[shard.pids] = active
-        return self._coefficient_table(it.hparams, mask)
+        return self._tables(it, mask)
 
     def _update(self, it, items: list[Reduced], max_norm: float | None = None) -> None:
         """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
@@ -124,72 +141,98 @@ class Updates:
         e = self.engine
         coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
         counted = self._counted(items, coefs)  # uploads first, before this call's kernels are queued
+        units = self._launch_units(it, items, coefs)
         for item in items:
             item.shard.wait_gather()
-        units = self._launch_units(it, items, coefs)
         found, clip = self._check(it, units, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
         for pids, table in counted:  # on the side stream: the next table reads the counts there
             e.step_counts.count(pids, table, found)
-        for unit in units:
-            with range_push("fused_zero.update"):
-                e.algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
-                    unit.grad, unit.param, unit.state, grad_scale=it.grad_scale, found_inf=found,
-                    clip_coef=clip, scales=unit.scales or None, stochastic=e.options.stochastic_rounding,
-                    blocks=unit.blocks))
-            for item in unit.items:
+        args = dict(grad_scale=it.grad_scale, found_inf=found, clip_coef=clip,
+                    stochastic=e.options.stochastic_rounding)
+        for member in e.members:  # what updates in phases with collectives between (Muon), first, on every
+            if member.algo.phased and any(member.index in item.shard.members for item in items):  # rank
+                self._whole(member).step(it, items, [t[member.index] for t in coefs],
+                                         [u for u in units if u.member == member.index], args)
+        gathers = self._gathers(items, units)
+        for j, unit in enumerate(units):
+            algo = e.members[unit.member].algo
+            if not algo.phased:
+                with range_push("fused_zero.update"):
+                    algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
+                        unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks, **args))
+            gathers(j)
+        gathers(len(units))
+
+    def _gathers(self, items: list[Reduced], units: list[Unit]):
+        """``ready(j)``: start, in bucket order, the all-gather of each bucket whose last launch is among
+        the first ``j + 1`` units. The order is every rank's, whatever launches its region needs (a
+        rank whose slice holds none of a member's rows launches nothing for it): collectives pair up by
+        issue order."""
+        last = {id(s): j for j, unit in enumerate(units) for s in unit.shards}
+        todo = list(items)
+
+        def ready(j: int) -> None:
+            while todo and last.get(id(todo[0].shard), -1) <= j:
+                item = todo.pop(0)
                 item.shard.reduced_buffer = None
                 self._start_gather(item.shard)  # a skipped update gathers the unchanged parameters
+        return ready
 
     def _counted(self, items: list[Reduced], coefs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(device pids, table)`` of the step counts ``items`` add: one per table, over the parameters
-        of every bucket that read it (one in the steady state of the backward and step modes, where the
-        single launch updates every bucket)."""
+        """``(device pids, table)`` of the step counts ``items`` add: one per table, over each member's
+        parameters of every bucket that read it (one per member in the steady state of the backward and
+        step modes, where the single launch updates every bucket). Every rank counts every parameter of
+        the bucket, whether its region holds a row of it or not: the counts are replicated."""
         by_table: dict[int, tuple] = {}
-        for item, table in zip(items, coefs):
-            by_table.setdefault(id(table), (table, []))[1].append(item.shard)
-        return [(self._device_pids(shards), table) for table, shards in by_table.values()]
+        for item, tables in zip(items, coefs):
+            for m in np.unique(item.shard.members).tolist():
+                by_table.setdefault(id(tables[m]), (tables[m], m, []))[2].append(item.shard)
+        return [(self._device_pids(m, shards), table) for table, m, shards in by_table.values()]
 
-    def _device_pids(self, shards: list[BucketShard]) -> torch.Tensor:
-        """The parameter indices of ``shards``, int64 on the device: one shard's own, or the last set's
+    def _device_pids(self, member: int, shards: list[BucketShard]) -> torch.Tensor:
+        """The member's parameter indices of ``shards``, int64 on the device: one shard's own, or a set's
         (kept while the same shards come: the single launch's every step)."""
         if len(shards) == 1:
-            return shards[0].device_pids(self.side)
-        kept, pids = self._pids_kept
-        if len(kept) != len(shards) or any(a is not b for a, b in zip(kept, shards)):
-            pids = self.side.upload_kept(torch.from_numpy(np.concatenate([s.pids for s in shards]).astype(np.int64)))
-            self._pids_kept = (shards, pids)
-        return pids[0]
+            return shards[0].device_pids(member, self.side)
+        kept = self._pids_kept.get(member)
+        if kept is None or len(kept[0]) != len(shards) or any(a is not b for a, b in zip(kept[0], shards)):
+            pids = np.concatenate([s.pids[s.members == member] for s in shards]).astype(np.int64)
+            kept = self._pids_kept[member] = (list(shards), self.side.upload_kept(torch.from_numpy(pids)))
+        return kept[1][0]
 
     def _launch_units(self, it, items: list[Reduced], coefs: list) -> list[Unit]:
-        """The launches that update ``items``: one per dtype and state format when the arenas hold
-        exactly these shards and one coefficient table serves them all, else one per bucket and state
-        format. The norm pass reads each bucket's gradients once, in the first launch of its bucket or
-        its dtype."""
-        single = self.engine.single
-        launches = single.for_step([item.shard for item in items]) if single else None
-        table = self._one_table(it, items, coefs) if launches is not None else None
-        if table is None:
-            units = []
-            for item, t in zip(items, coefs):
-                s = item.shard
-                for k, part in enumerate(s.parts):
-                    units.append(Unit(part.rows, part.segments, part.blocks, s.norm_rows if k == 0 else [],
-                                      s.norm_segments if k == 0 else None, t, s.reduced_buffer, s.param_buffer,
-                                      part.state, part.scales, [item] if k == len(s.parts) - 1 else []))
-            return units
-        units = [Unit(launch.rows, launch.segments, launch.blocks, launch.norm_rows, launch.norm_segments, table,
-                      launch.grad(buffers), launch.arena.params, launch.fs.state, launch.fs.scales, [])
-                 for launch, buffers in launches]
-        last = {id(launch.arena): unit for (launch, _), unit in zip(launches, units)}
-        for item in items:
-            last[id(single.arenas[item.shard.param_buffer.dtype])].items.append(item)
+        """The launches that update ``items``: one per dtype, member and state format when the arenas hold
+        exactly these shards and one table per member serves them all, else one per bucket, member and
+        state format (and always one per part for a member that updates in phases). The norm pass reads
+        each part's counted gradients in its launch."""
+        e = self.engine
+        single = e.single
+        phased = {m.index for m in e.members if m.algo.phased}
+        launches = single.for_step([item.shard for item in items], skip=phased) if single else None
+        tables = self._one_table(it, items, coefs) if launches is not None else None
+        if tables is None:
+            units = [self._part_unit(part, item.shard, t[part.member])
+                     for item, t in zip(items, coefs) for part in item.shard.parts]
+        else:
+            units = [Unit(launch.fs.key[0], launch.rows, launch.segments, launch.blocks, launch.norm_rows,
+                          launch.norm_segments, tables[launch.fs.key[0]], launch.grad(buffers), launch.arena.params,
+                          launch.fs.state, launch.fs.scales, [p for p in launch.fs.parts if p is not None],
+                          [s for s, p in zip(launch.arena.shards, launch.fs.parts) if p is not None])
+                     for launch, buffers in launches]
+            units += [self._part_unit(part, item.shard, tables[part.member])
+                      for item in items for part in item.shard.parts if part.member in phased]
         return units
 
-    def _one_table(self, it, items: list[Reduced], coefs: list) -> torch.Tensor | None:
-        """One coefficient table for every bucket of the step (a parameter is in one bucket only): the
-        iteration's shared one, or one built from the host's flags where some parameter is known to
-        have no gradient; None where neither fits (then one launch per bucket)."""
+    @staticmethod
+    def _part_unit(part, shard: BucketShard, table: torch.Tensor) -> Unit:
+        return Unit(part.member, part.rows, part.segments, part.blocks, part.norm_rows, part.norm_segments, table,
+                    shard.reduced_buffer, shard.param_buffer, part.state, part.scales, [part], [shard])
+
+    def _one_table(self, it, items: list[Reduced], coefs: list) -> list[torch.Tensor] | None:
+        """One coefficient table per member for every bucket of the step (a parameter is in one bucket
+        only): the iteration's shared ones, or ones built from the host's flags where some parameter is
+        known to have no gradient; None where neither fits (then one launch per bucket)."""
         if all(t is coefs[0] for t in coefs):
             return coefs[0]
         if any(isinstance(item.active, UsedFlags) for item in items):
@@ -197,7 +240,7 @@ class Updates:
         mask = np.ones(len(self.engine.params))
         for item in items:
             mask[item.shard.pids] = item.active
-        return self._coefficient_table(it.hparams, mask)
+        return self._tables(it, mask)
 
     def _check(self, it, units: list[Unit], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the
@@ -209,8 +252,8 @@ class Updates:
         for unit in units:
             if not unit.norm_rows:
                 continue
-            sumsq, bad = e.algo.grad_sumsq(e.backend, unit.norm_rows, unit.norm_segments, unit.table,
-                                           unit.grad, it.grad_scale)
+            sumsq, bad = grad_sumsq(e.backend, unit.norm_rows, unit.norm_segments, unit.table, unit.grad,
+                                    it.grad_scale)
             stats[0] += sumsq
             stats[1] += bad
         stats[2] = float(it.edited)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pipeline import collectives, streams
+from ..pipeline import collectives, streams, updates, warmup
 from ..update.algorithms import Algorithm
 from . import backends
 from .clocks import Clocks, Hazard
@@ -138,7 +138,8 @@ class StreamChecker:
         for owner, name, value in function_patches(self):
             self._patch(owner, name, value)
         self._patch(Algorithm, "update", self._launch_update(Algorithm.update))
-        self._patch(Algorithm, "grad_sumsq", self._launch_norm(Algorithm.grad_sumsq))
+        for caller in (updates, warmup):  # the norm pass, by the name its callers call it
+            self._patch(caller, "grad_sumsq", self._launch_norm(caller.grad_sumsq))
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -282,11 +283,11 @@ class StreamChecker:
     def _launch_norm(self, real):
         checker = self
 
-        def grad_sumsq(algo, backend, rows, segments, coefs, grad, grad_scale=None):
+        def grad_sumsq(backend, rows, segments, coefs, grad, grad_scale=None):
             reads = [coefs] + ([segments.rows] if segments is not None else []) + \
                 ([grad_scale] if grad_scale is not None else []) + [grad[go:go + n] for _, n, _, go, *_ in rows]
             with checker.paused():
-                out = real(algo, backend, rows, segments, coefs, grad, grad_scale)
+                out = real(backend, rows, segments, coefs, grad, grad_scale)
             for t in out:
                 checker.memory.register(t)
             checker.record("norm kernel", reads=reads, writes=list(out))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import adam_coefficients, adam_step, grad_sumsq, sgd_coefficients, sgd_step
+from ..kernels import adam_coefficients, adam_step, sgd_coefficients, sgd_step
+from ..kernels import grad_sumsq as triton_grad_sumsq
 from . import step_columns, torch_ops
 
 
@@ -39,6 +40,7 @@ class Algorithm:
     ``fill_steps`` on the device, from the step counts kept there (step_columns.py)."""
 
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
+    phased = False  # updates in phases with collectives between (Muon, update/muon.py): ``step_units``
 
     def __init__(self, param_groups: list[dict]):
         self.refresh(param_groups)
@@ -68,17 +70,27 @@ class Algorithm:
         if sr_seed is not None:
             step_columns.fill_sr_keys(table, after, sr_seed)
 
+    def check_engine(self, engine, member) -> None:
+        """Refuse at construction what this algorithm cannot run with the engine's options (Muon's)."""
+
+    def compile(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
+        """Launch each kernel once on a row with nothing active, so that Triton compiles now."""
+        self.update(backend, rows, segments, coefs, args)
+
     def update(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
         if backend == "triton":
             self._launch(segments, coefs, args)
         else:
             torch_ops.apply(self.kind, rows, coefs, args, **self.flags)
 
-    def grad_sumsq(self, backend: str, rows: list, segments, coefs: torch.Tensor, grad: torch.Tensor,
-                   grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if backend == "triton":
-            return grad_sumsq(segments, coefs, grad=grad, grad_scale=grad_scale)
-        return torch_ops.grad_sumsq(rows, coefs, grad, grad_scale)
+
+def grad_sumsq(backend: str, rows: list, segments, coefs: torch.Tensor, grad: torch.Tensor,
+               grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of squares and the non-finite count of the rows' gradients (the columns ``active`` and
+    ``grad_div`` of any algorithm's table), on either implementation."""
+    if backend == "triton":
+        return triton_grad_sumsq(segments, coefs, grad=grad, grad_scale=grad_scale)
+    return torch_ops.grad_sumsq(rows, coefs, grad, grad_scale)
 
 
 def _check_nonneg(group: dict, i: int, key: str) -> None:
@@ -176,4 +188,4 @@ def clip_coefficient(total_sumsq: torch.Tensor, max_norm: float) -> torch.Tensor
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(1)
 
 
-__all__ = ["AdamFamily", "SGDAlgorithm", "UpdateArgs", "clip_coefficient"]
+__all__ = ["AdamFamily", "SGDAlgorithm", "UpdateArgs", "clip_coefficient", "grad_sumsq"]

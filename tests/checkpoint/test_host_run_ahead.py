@@ -43,7 +43,7 @@ def _run_ahead(opt, ahead: int):
     for _ in range(ahead):
         for part in parts:
             part.state, part.scales = _unwritten(part.state), _unwritten(part.scales)
-        opt._peers.versions.publish(opt._engine, (_NotRun(),))
+        opt._peers.versions.publish(opt._view, (_NotRun(),))
 
     def undo():
         for part, (state, scales) in zip(parts, saved):

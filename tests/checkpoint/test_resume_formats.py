@@ -9,6 +9,7 @@ held in fp32 until DDP's rebuild, the 8-bit resumes ended 4.6e-3 off (7.8e-3 wit
 import copy
 
 import torch
+import torch.distributed as dist
 from ckpt_scenarios import train
 from distributed import run_ranks
 from scenarios import Case, build
@@ -50,6 +51,7 @@ def save_runs(rank, world, path):
         train(case, ddp, opt, rank, 6)
         dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}/{case.name()}")
         out[case.name()] = (final, copy.deepcopy(model.state_dict()), opt.state_dict())
+        dist.barrier()  # every rank's optimizer alive until every rank has been served (serving.py)
         opt._engine.close()
     return out
 
@@ -99,6 +101,7 @@ def _one_matrix(rank, steps, start=1, sd=None, weights=None):
         opt.step()
         opt.zero_grad()
     out = (_params(model), copy.deepcopy(model.state_dict()), opt.state_dict(), opt._engine.layout_changes)
+    dist.barrier()  # every rank's optimizer alive until every rank has been served (serving.py)
     opt._engine.close()
     return out
 

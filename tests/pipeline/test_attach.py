@@ -72,7 +72,7 @@ def unattached_and_attach_errors(rank, world):
     out.append(str(opt.attached))
     out.append(raises(lambda: opt.attach(ddp), RuntimeError, "already attached"))
     other = fused_zero.AdamW(model.parameters())
-    out.append(raises(functools.partial(other.attach, ddp), RuntimeError, "already has a comm hook"))
+    out.append(raises(functools.partial(other.attach, ddp), ValueError, "is already updated by the AdamW"))
     del other  # unattached, it would refuse the backward below: its parameters are the model's
     gc.collect()
     _loss(ddp, 0, rank).backward()

@@ -21,9 +21,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.pipeline.engine
+import fused_zero.pipeline.updates
+import fused_zero.pipeline.warmup
 from fused_zero.kernels import Segments, adam_coefficients, adam_step
-from fused_zero.pipeline.engine import Engine, compile_kernels
+from fused_zero.pipeline.engine import Engine
 from fused_zero.pipeline.streams import SideStream
+from fused_zero.pipeline.warmup import compile_kernels
 
 OVERLAPS = ("bucket", "backward", "step")
 
@@ -139,20 +142,27 @@ def check_every_launch_under_the_guard(rank, world):
                                max_grad_norm=1.0 if overlap == "step" else None)
         engine = opt._engine
         engine.side = GuardRecorder(engine.device)
-        for name in ("update", "grad_sumsq"):
-            real = getattr(engine.algo, name)
+        # the update is the algorithm's; the norm pass a function the updates and the warm-up call
+        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.updates, "grad_sumsq"),
+                  (fused_zero.pipeline.warmup, "grad_sumsq"))
+        reals = [getattr(owner, name) for owner, name in owners]
+        for (owner, name), real in zip(owners, reals):
 
             def wrapped(*args, _real=real, _name=name, _side=engine.side, _overlap=overlap, **kw):
                 if _side.depth == 0:
                     outside.append((_overlap, _name, args[0]))
                 return _real(*args, **kw)
 
-            setattr(engine.algo, name, wrapped)
-        compile_kernels(engine)  # the warm-up launches (Triton, through the interpreter here)
-        for step in range(1, 3):
-            _loss(ddp, step, rank).backward()
-            opt.step()
-            opt.zero_grad()
+            setattr(owner, name, wrapped)
+        try:
+            compile_kernels(engine)  # the warm-up launches (Triton, through the interpreter here)
+            for step in range(1, 3):
+                _loss(ddp, step, rank).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            for (owner, name), real in zip(owners, reals):
+                setattr(owner, name, real)
         engine.close()
     assert not outside, f"launches outside the device guard: {outside}"
 

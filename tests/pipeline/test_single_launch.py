@@ -16,13 +16,14 @@ def _launches_per_step(case: Case, rank: int, world: int) -> dict:
     model, ddp, opt, ref_model, ref_ddp, ref_opt, masters = build(case, rank)
     engine = opt._engine
     calls = []
-    update = engine.algo.update
+    algo = engine.members[0].algo
+    update = algo.update
 
     def counted(*args, **kwargs):
         calls[-1] += 1
         return update(*args, **kwargs)
 
-    engine.algo.update = counted
+    algo.update = counted
     worst = 0.0
     buckets = []
     for step in range(1, case.steps + 1):

@@ -249,8 +249,8 @@ def _publish_before_the_join(self, it):
 def _start_without_the_flag(self, it):
     """Defect 3 as it was (with ``_start_after_the_reduction``): no flag and no edge at the start."""
     self.side.join()
-    it.hparams = self._read_hparams()
-    it.hparams_key = self.policy.hparams_key(self.opt.param_groups)
+    it.hparams = [self._read_hparams(m) for m in self.members]
+    it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
 
 
 def _start_after_the_reduction(real):

@@ -1,33 +1,23 @@
-"""The classes users import: drop-in torch.optim optimizers whose step runs inside DDP's backward.
-
-Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
-options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
-``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
-sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
-``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
-fields.
-"""
+"""What every fused_zero optimizer shares: the torch.optim.Optimizer subclass whose step, state and
+checkpoints are those of its share of the DDP module's engine (pipeline/engine.py), and ``opt.state``'s
+read-only view of that share."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import canonical, loading, serving, sharded
-from .options import STATE_FORMATS, ShardingOptions, canonical_state_format, normalize_options
-from .pipeline.engine import Engine
-from .pipeline.local import OVERRIDES, LocalModule, refuse_plain_module_in_group
-from .update.algorithms import AdamFamily, SGDAlgorithm
+from ..checkpoint import canonical, loading, serving, sharded
+from ..options import STATE_FORMATS, ShardingOptions, canonical_state_format, normalize_options
+from ..pipeline.engine import Engine
+from ..pipeline.members import MemberView
+from . import sharing
+from .sharing import check_ddp, guard_unattached, not_attached
 
 # sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
 _PER_OPTIMIZER = ("master_weights", "stochastic_rounding", "seed")
-
-# torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
-_TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 
 
 class _ShardedState(Mapping):
@@ -40,27 +30,28 @@ class _ShardedState(Mapping):
     regions; change it through ``load_state_dict``. Writing into a snapshot's dict changes nothing,
     which keeps device-moving walkers harmless (the state already lives where the parameters do)."""
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, view):
+        self._view = view  # this optimizer's share of the engine (pipeline/members.py)
+        self._index = {id(p): i for i, p in enumerate(view.params)}
 
-    def _pids(self):
-        return [pid for pid in range(len(self._engine.params)) if canonical.has_state(self._engine, pid)]
+    def _stepped(self):
+        return [i for i in range(len(self._view.params)) if canonical.has_state(self._view, i)]
 
     def __getitem__(self, param):
-        pid = self._engine.pid_of.get(param)
-        if pid is None:
+        i = self._index.get(id(param))
+        if i is None:
             raise KeyError("not a parameter this optimizer updates")
-        return canonical.local_entry(self._engine, pid) if canonical.has_state(self._engine, pid) else {}
+        return canonical.local_entry(self._view, i) if canonical.has_state(self._view, i) else {}
 
     def __iter__(self):
-        return iter([self._engine.params[pid] for pid in self._pids()])
+        return iter([self._view.params[i] for i in self._stepped()])
 
     def __len__(self):
-        return len(self._pids())
+        return len(self._stepped())
 
     def __contains__(self, param):
-        pid = self._engine.pid_of.get(param)
-        return pid is not None and canonical.has_state(self._engine, pid)
+        i = self._index.get(id(param))
+        return i is not None and canonical.has_state(self._view, i)
 
     def __setitem__(self, key, value):
         raise TypeError("fused_zero's opt.state is read-only: the state is sharded across ranks; change it "
@@ -70,13 +61,16 @@ class _ShardedState(Mapping):
 
 
 class _ShardedOptimizer(torch.optim.Optimizer):
-    """Shared plumbing: validates torch-only flags, builds the Engine when attached, forwards step().
+    """Shared plumbing: validates torch-only flags, joins the DDP module's engine when attached, forwards
+    step().
 
     Built without ``ddp=``, an optimizer is *unattached*: it holds param_groups (so LR schedulers and
-    frameworks that wrap optimizers can be set up) but no state and no comm hook. ``attach(ddp)`` lays
-    out the state and registers the hook. Until then ``step()`` raises, and so does a backward that
+    frameworks that wrap optimizers can be set up) but no state and no comm hook. ``attach(ddp)`` joins
+    the module's other fused_zero optimizers, if any (optimizer/sharing.py); once they own every
+    parameter DDP reduces, the engine lays out the state and registers the hook, and each optimizer is
+    a member of it (pipeline/members.py). Until then ``step()`` raises, and so does a backward that
     produces gradients for its parameters (plain DDP would all-reduce them and no update could ever
-    use them); ``load_state_dict()`` checks what it can and keeps the state until ``attach`` lays it
+    use them); ``load_state_dict()`` checks what it can and keeps the state until the engine lays it
     out (checkpoint/loading.py), and ``state_dict()`` returns what was loaded, or torch.optim's dict of
     a fresh optimizer (frameworks round-trip it when they wrap the optimizer).
     """
@@ -100,14 +94,16 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("differentiable=True is not supported: the fused update is not part of the autograd "
                              "graph; leave differentiable=False")
         options = normalize_options(options, type(self).__name__)
-        _check_options(options)
+        ShardingOptions(**options)  # the values, checked before any DDP module (the Engine checks them again)
         self._algorithm = algorithm
         self._options = dict(options)
         self._engine: Engine | None = None
+        self._member = self._view = None  # this optimizer's place in the engine (pipeline/members.py)
+        self._joined = False  # attached to a DDP module (the engine may wait for its other optimizers)
         self._kept: dict | None = None  # a state loaded before attach (checkpoint/loading.py)
         self.state = MappingProxyType({})  # no state until attached
         if ddp is None:
-            self._unattached_hooks = _guard_unattached(self)
+            self._unattached_hooks = guard_unattached(self)
         else:
             self.attach(ddp)
 
@@ -116,33 +112,43 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         ``ddp=`` at construction does, for an optimizer built before its DDP module existed.
 
         ``options`` are sharding options (options.OPTIONS) added to those given at
-        construction; giving one both times with different values is an error. Attach once, to the
-        DDP module that wraps exactly the optimizer's trainable parameters; on every rank (a state
-        loaded before attach is laid out here, once every rank agrees that it fits). In one process
-        with no DDP, attach the plain module: the update then runs in ``step()`` (pipeline/local.py).
+        construction; giving one both times with different values is an error. Attach once, on every
+        rank, to the DDP module whose trainable parameters this optimizer updates: all of them, or,
+        beside other fused_zero optimizers attached to it (Muon and AdamW), its share of them; the state
+        is laid out (and a state loaded before, once every rank agrees that it fits) when the module's
+        optimizers own every parameter (optimizer/sharing.py). In one process with no DDP, attach the
+        plain module: the update then runs in ``step()`` (pipeline/local.py).
         """
-        if getattr(self, "_engine", None) is not None:
+        if getattr(self, "_joined", False):
             raise RuntimeError(f"this {type(self).__name__} is already attached to a DDP module; an optimizer "
                                "shards one DDP's buckets, once")
-        ddp = _check_ddp(ddp)
+        ddp = check_ddp(ddp)
         options = normalize_options(options, f"{type(self).__name__}.attach()", stacklevel=3)
         for name, value in options.items():
             if name in self._options and self._options[name] != value and self._options[name] != "auto":
                 raise ValueError(f"{name}={value!r} given to attach() but {name}={self._options[name]!r} at "
                                  "construction; give it once")
         merged = {**self._options, **options}
-        _check_options(merged)
+        ShardingOptions(**merged)
         self._algorithm.refresh(self.param_groups)  # param groups may have been added since construction
-        kept = loading.check_at_attach(self, ddp, merged, self._kept)  # refuses on every rank, changing nothing
-        # a plain module: the update reads param.grad in step() (pipeline/local.py)
-        self._engine = Engine(self, ddp, self._algorithm,
-                              **{**merged, **(OVERRIDES if isinstance(ddp, LocalModule) else {})})
-        if kept is not None:
-            loading.apply_at_attach(self._engine, kept)
+        previous, self._options = self._options, merged
+        try:
+            sharing.join(self, ddp, merged)  # refuses on every rank, changing nothing; may build the engine
+        except BaseException:
+            self._options = previous
+            raise
+        self._joined = True
+
+    def _bind(self, engine: Engine, member, plan) -> None:
+        """The engine is built (optimizer/sharing.py): this optimizer is its ``member``; ``plan``, the state loaded
+        before, checked by every rank, is laid out now."""
+        self._engine, self._member = engine, member
+        self._view = MemberView(engine, member)
+        if plan is not None:
+            loading.apply_at_attach(self._view, plan)
         self._kept = None
-        self._peers = serving.peers_for(self._engine)
-        self._options = merged
-        self.state = _ShardedState(self._engine)
+        self._peers = serving.peers_for(self._view)
+        self.state = _ShardedState(self._view)
         for handle in getattr(self, "_unattached_hooks", ()):
             handle.remove()
         self._unattached_hooks = ()
@@ -162,11 +168,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
-            raise RuntimeError(_not_attached(self, what))
+            raise RuntimeError(not_attached(self, what))
         return self._engine
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_engine", None) is not None:
+        if getattr(self, "_joined", False):
             raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces when attached; "
                                "add_param_group afterwards is not supported")
         per_optimizer = [k for k in _PER_OPTIMIZER if isinstance(param_group, dict) and k in param_group]
@@ -192,19 +198,20 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if engine.iteration.invoked == 0 and canonical.is_state_init_step(engine):
-            canonical.run_state_init_step(engine)  # torch.distributed.checkpoint's helpers do this
+        if engine.iteration.invoked == 0 and not engine.iteration.stepped and \
+                canonical.is_state_init_step(self._view):
+            canonical.run_state_init_step(self._view)  # torch.distributed.checkpoint's helpers do this
             return loss
-        if engine.local and not engine.ddp.drive(engine):
-            return loss  # no parameter has a .grad: torch.optim's step does nothing either
         iteration = engine.iteration
         try:
             # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
-            # None once the user has called scaler.unscale_(opt)
-            engine.step(via_scaler=hasattr(self, "found_inf"), grad_scale=getattr(self, "grad_scale", None))
+            # None once the user has called scaler.unscale_(opt). The last member's step ends the iteration.
+            engine.step(self._member, via_scaler=hasattr(self, "found_inf"),
+                        grad_scale=getattr(self, "grad_scale", None))
         finally:
             if engine.iteration is not iteration:  # the step ended (a refusal may raise after it did)
-                self._peers.published()
+                for m in engine.members:
+                    m.opt._peers.published()
         return loss
 
     @property
@@ -226,16 +233,19 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         reduced in place in DDP's buckets; ``reference_state``: torch.optim's fp32 state for the same
         parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """
-        shards = self._attached_engine("memory()").shards()
-        numel = sum(s.layout.numel for s in shards)
-        per_elem = 4 * (len(self._engine.algo.state_names()))
-        masters = sum(s.layout.numel * 4 for s in shards if "master" in s.names)
+        engine = self._attached_engine("memory()")
+        view = self._view
+        parts = [part for s in view.shards() for part in view.parts(s)]
+        numel = sum(p.numel() for p in view.params)
+        masters = sum(p.numel() * 4 for p in view.params if engine.options.keeps_master(p.dtype))
         return {
-            "state": sum(s.state_bytes() for s in shards),
-            "reference_state": numel * per_elem + masters,
-            "param_buffers": sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in shards),
+            "state": sum(t.numel() * t.element_size() for part in parts
+                         for t in (*part.state.values(), *part.scales.values())),
+            "reference_state": numel * 4 * len(self._algorithm.state_names()) + masters,
+            # the flat parameter buffers are the DDP module's, shared by its optimizers
+            "param_buffers": sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in engine.shards()),
             "elements": numel,
-            "region_elements": sum(s.layout.region_size for s in shards),
+            "region_elements": sum(part.size for part in parts),
         }
 
     def state_dict(self, to: int | None = None) -> dict | None:
@@ -248,7 +258,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication)."""
         if self._engine is None:
             return loading.kept_state_dict(self, self._kept)
-        return canonical.state_dict(self._engine, self._peers, to)
+        return canonical.state_dict(self._view, self._peers, to)
 
     def _state_dict_written_by(self, writer: int) -> dict:
         """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
@@ -256,7 +266,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         ranks, once ``writer`` has been served (see canonical.written_by)."""
         if self._engine is None:
             return loading.kept_state_dict(self, self._kept)  # no communication: every rank has it
-        return canonical.written_by(self._engine, self._peers, writer)
+        return canonical.written_by(self._view, self._peers, writer)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
@@ -266,7 +276,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if self._engine is None:
             self._kept = loading.keep_until_attach(self, state_dict)
             return
-        loading.load_state_dict(self._engine, state_dict)
+        loading.load_state_dict(self._view, state_dict)
         self._peers.published(by_step=False)
 
     def sharded_state_dict(self) -> dict:
@@ -274,102 +284,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         as DTensors over each parameter's flattened state (see checkpoint/sharded.py).
         ``dcp.save(opt.sharded_state_dict(), ...)``; to load, ``sd = opt.sharded_state_dict();
         dcp.load(sd, ...); opt.load_sharded_state_dict(sd)`` at any world size or bucket layout."""
-        return sharded.sharded_state_dict(self._attached_engine("sharded_state_dict()"))
+        self._attached_engine("sharded_state_dict()")
+        return sharded.sharded_state_dict(self._view)
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Load what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this optimizer, after checking
         all of it on every rank: a refused dict raises and changes nothing."""
-        sharded.load_sharded_state_dict(self._attached_engine("load_sharded_state_dict()"), state_dict)
+        self._attached_engine("load_sharded_state_dict()")
+        sharded.load_sharded_state_dict(self._view, state_dict)
         self._peers.published(by_step=False)
-
-
-class AdamW(_ShardedOptimizer):
-    """torch.optim.AdamW, sharded across DDP ranks and run inside the backward."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 ddp=None, **options):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=True, **_TORCH_FLAGS)
-        super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
-                    capturable=capturable, differentiable=differentiable)
-
-
-class Adam(_ShardedOptimizer):
-    """torch.optim.Adam (L2 weight decay, or decoupled with ``decoupled_weight_decay=True``)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, ddp=None, **options):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, **_TORCH_FLAGS)
-        super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay), options,
-                    capturable=capturable, differentiable=differentiable)
-
-
-class SGD(_ShardedOptimizer):
-    """torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize)."""
-
-    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, ddp=None, **options):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
-        super().__init__(params, defaults)
-        self._start(ddp, SGDAlgorithm(self.param_groups), options, differentiable=differentiable)
-
-
-def _check_options(options: dict) -> None:
-    """Values of the sharding options (normalize_options checked the names), checked without a DDP
-    module (Engine checks them again)."""
-    ShardingOptions(**options)
-
-
-def _not_attached(opt, what: str) -> str:
-    return (f"{what} needs this {type(opt).__name__} attached to its DDP module, and it is not: call "
-            "opt.attach(ddp) once the model is wrapped in DistributedDataParallel, or pass ddp= at "
-            "construction (one process without DDP: opt.attach(model); Lightning: "
-            "fused_zero.lightning.FusedZeroStrategy attaches it; Accelerate: "
-            "fused_zero.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare)")
-
-
-def _check_ddp(ddp):
-    """``ddp`` must be the DistributedDataParallel module itself, whose buckets are what gets sharded;
-    or, in one process, a plain module, which is given a LocalModule's place (pipeline/local.py)."""
-    if isinstance(ddp, DistributedDataParallel):
-        return ddp
-    kind = f"{type(ddp).__module__}.{type(ddp).__qualname__}"
-    inner = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
-    if isinstance(inner, DistributedDataParallel):
-        hint = "; it wraps a DistributedDataParallel: pass that DDP module itself"
-    elif "FullyShardedDataParallel" in kind or type(ddp).__name__.startswith("FSDP"):
-        hint = "; FSDP shards parameters and optimizer state itself: fused_zero shards DDP's buckets"
-    elif isinstance(ddp, torch.nn.Module):
-        refuse_plain_module_in_group(ddp)
-        return LocalModule(ddp)
-    else:
-        hint = ""
-    raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel module (or, in one process "
-                    f"without DDP, the nn.Module itself), got {kind}{hint}")
-
-
-def _guard_unattached(opt) -> list:
-    """Hooks that make a backward producing gradients for an unattached optimizer's parameters raise.
-    They hold the optimizer weakly and go away with it, so a discarded optimizer leaves no trap."""
-    ref = weakref.ref(opt)
-
-    def hook(param):
-        o = ref()
-        if o is not None and o._engine is None:
-            raise RuntimeError(_not_attached(o, "a backward through its parameters"))
-
-    handles = [p.register_post_accumulate_grad_hook(hook)
-               for group in opt.param_groups for p in group["params"] if p.requires_grad]
-    weakref.finalize(opt, _remove_all, handles)
-    return handles
-
-
-def _remove_all(handles) -> None:
-    for handle in handles:
-        handle.remove()

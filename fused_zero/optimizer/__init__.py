@@ -1,0 +1,72 @@
+"""The classes users import: drop-in torch.optim optimizers whose step runs inside DDP's backward.
+
+Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
+options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
+``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
+sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
+``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
+fields. Several may share one DDP module, each with parameters of its own (sharing.py).
+"""
+
+from __future__ import annotations
+
+from ..update.algorithms import AdamFamily, SGDAlgorithm
+from ..update.muon import MuonAlgorithm
+from .base import _ShardedOptimizer
+
+__all__ = ["Adam", "AdamW", "Muon", "SGD", "_ShardedOptimizer"]
+
+# torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
+_TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
+
+
+class AdamW(_ShardedOptimizer):
+    """torch.optim.AdamW, sharded across DDP ranks and run inside the backward."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 ddp=None, **options):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=True, **_TORCH_FLAGS)
+        super().__init__(params, defaults)
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
+                    capturable=capturable, differentiable=differentiable)
+
+
+class Adam(_ShardedOptimizer):
+    """torch.optim.Adam (L2 weight decay, or decoupled with ``decoupled_weight_decay=True``)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, ddp=None, **options):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, **_TORCH_FLAGS)
+        super().__init__(params, defaults)
+        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay), options,
+                    capturable=capturable, differentiable=differentiable)
+
+
+class SGD(_ShardedOptimizer):
+    """torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize)."""
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None, ddp=None, **options):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
+        super().__init__(params, defaults)
+        self._start(ddp, SGDAlgorithm(self.param_groups), options, differentiable=differentiable)
+
+
+class Muon(_ShardedOptimizer):
+    """torch.optim.Muon over 2-D parameters (the hidden matrices; give the embeddings, head, norms and
+    biases to an AdamW over the same DDP module). Each matrix is orthogonalized once per step, on the
+    rank of its shard group that owns it (pipeline/whole_matrix.py); the momentum stays sharded."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 ddp=None, **options):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        super().__init__(params, defaults)
+        MuonAlgorithm.check_options(options)
+        self._start(ddp, MuonAlgorithm(self.param_groups), options)

@@ -1,0 +1,156 @@
+"""torch.optim.Muon's update, cut where the sharding cuts it: the elementwise halves run on any piece of
+a matrix (the momentum before Newton-Schulz, the weight decay and the step after), the Newton-Schulz
+orthogonalization on the whole matrix, once, on the rank that owns it (pipeline/whole_matrix.py
+brings the pieces there and the result back).
+
+Every op is the one torch.optim.Muon calls, with the same Python scalars and dtypes: elementwise ops
+give the same bits on a piece as on the whole tensor, and the owner's matrix is assembled in the
+parameter's own memory order (its strides), so its matmuls are torch's, on torch's operands.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..kernels import sgd_coefficients
+from . import step_columns
+from .algorithms import Algorithm, _check_nonneg, _per_param
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+class MuonAlgorithm(Algorithm):
+    """Muon over 2-D parameters. Its coefficient table is SGD's layout (the norm pass reads only the
+    ``active`` and ``grad_div`` columns); its update runs in phases with collectives between
+    (``phased``), driven by pipeline/whole_matrix.py with the param groups' host values."""
+
+    kind = "muon"
+    phased = True
+
+    def check_group(self, group: dict, i: int) -> None:
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            if p.ndim != 2:
+                what = repr(names[j]) if names else f"parameter {j} of param group {i}"
+                raise ValueError(f"Muon only supports 2-D parameters, and {what} has size {tuple(p.shape)}: "
+                                 "give it to a fused_zero.AdamW over the same DDP module")
+        if group.get("state_format", "fp32") != "fp32":
+            self.check_options({"state_format": group["state_format"]}, f"param group {i}")
+        for key in ("lr", "momentum", "weight_decay", "eps"):
+            _check_nonneg(group, i, key)
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"param group {i}: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported: "
+                             "use None, 'original' or 'match_rms_adamw'")
+        if not 0 < int(group["ns_steps"]) < 100 or int(group["ns_steps"]) != group["ns_steps"]:
+            raise ValueError(f"param group {i}: ns_steps must be an integer from 1 to 99, got {group['ns_steps']!r}")
+        if len(tuple(group["ns_coefficients"])) != 3:
+            raise ValueError(f"param group {i}: ns_coefficients must be three floats (a, b, c), got "
+                             f"{group['ns_coefficients']!r}")
+
+    def state_names(self) -> list[str]:
+        return ["momentum_buffer"]
+
+    @staticmethod
+    def check_options(options: dict, where: str = "Muon") -> None:
+        """The momentum is kept in fp32, the parameters rounded to nearest: Muon's state is one buffer,
+        and its update a matrix product that no per-element code of the compact formats follows."""
+        fmt = options.get("state_format", "fp32")
+        if fmt not in ("fp32", None):
+            raise ValueError(f"{where}: state_format={fmt!r} is not supported for Muon (its momentum is kept "
+                             "in fp32); leave state_format unset for the Muon optimizer")
+        if options.get("stochastic_rounding"):
+            raise ValueError(f"{where}: stochastic_rounding is not supported for Muon; keep fp32 master weights "
+                             "(master_weights=True) for low-precision parameters instead")
+
+    def check_engine(self, engine, member) -> None:
+        """What the options of the module (given to any of its optimizers) and the groups say."""
+        formats = [f for f in member.group_formats if f != "fp32"]
+        self.check_options({"state_format": formats[0] if formats else "fp32",
+                            "stochastic_rounding": engine.options.stochastic_rounding}, member.name)
+
+    def coefficients(self, groups, group_idx, active, grad_div) -> torch.Tensor:
+        pick = _per_param(groups, group_idx)
+        return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=pick(lambda g: g["momentum"]),
+                                dampening=np.zeros(len(group_idx)), weight_decay=pick(lambda g: g["weight_decay"]),
+                                first=True, grad_div=grad_div, active=active)
+
+    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
+        step_columns.fill_sgd(table, after)
+
+    def compile(self, backend, rows, segments, coefs, args) -> None:
+        """Nothing to compile: the phases are torch ops."""
+
+    def update(self, backend, rows, segments, coefs, args) -> None:
+        raise RuntimeError("Muon updates in phases (pipeline/whole_matrix.py), not in one launch")
+
+
+def gradient(grad: torch.Tensor, grad_div: float, inv_scale: torch.Tensor | None,
+             clip_coef: torch.Tensor | None) -> torch.Tensor:
+    """A piece of the reduced gradient as torch.optim.Muon reads ``p.grad``: DDP's average, unscaled
+    as GradScaler.unscale_ unscales (a multiplication by the fp32 reciprocal: Muon has no fused step
+    for the scaler to hand its scale to), clipped as clip_grad_norm_ clips. Always a new fp32 tensor."""
+    g = grad.to(torch.float32, copy=True)
+    if grad_div != 1.0:
+        g.div_(grad_div)
+    if inv_scale is not None:
+        g.mul_(inv_scale)
+    if clip_coef is not None:
+        g.mul_(clip_coef.to(torch.float32))
+    return g
+
+
+def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
+    """GradScaler.unscale_'s factor: the fp32 reciprocal of the scale, taken in float64."""
+    return grad_scale.double().reciprocal().float()
+
+
+def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """Advance the momentum ``buf`` (a piece, in place) and return the piece of Newton-Schulz's input in
+    bf16 (what ``_zeropower_via_newtonschulz`` casts it to first: the cast is elementwise, so the
+    pieces travel in bf16)."""
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if nesterov else buf
+    return update.bfloat16()
+
+
+def newton_schulz(x: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's ``_zeropower_via_newtonschulz`` of a bf16 matrix, op for op."""
+    a, b, c = ns_coefficients
+    out = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        out = out.T
+    out.div_(out.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = out @ out.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        out = torch.addmm(out, gram_update, out, beta=a)
+    return out.T if tall else out
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
+    """torch.optim.Muon's ``_adjust_lr``: the step's scale for a matrix of ``shape``."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+def apply(param: torch.Tensor, ortho: torch.Tensor, lr: float, weight_decay: float, step_lr: float) -> None:
+    """The weight decay with the unadjusted lr, then the orthogonalized step, on a piece in place."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(ortho, alpha=-step_lr)
+
+
+def ns_flops(shape, ns_steps: int) -> int:
+    """Matmul FLOPs of one Newton-Schulz orthogonalization of a matrix of ``shape``: each step is a
+    Gram matrix (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m the smaller side."""
+    m, n = sorted(int(s) for s in shape[:2])
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)

@@ -1,0 +1,148 @@
+"""fused_zero.Muon beside fused_zero.AdamW on one DDP module, against DDP + torch.optim.Muon +
+torch.optim.AdamW (scenarios.py, ``opt="Muon"``: Muon over OddNet's matrices, whose odd sizes straddle
+the ranks' slices and the buckets' tails, AdamW over the embedding, norms and biases): every parameter
+of every rank compared after each of 12 steps, bit for bit, with the lr of both optimizers changed by
+a schedule every step.
+
+Then what Muon must also hold: its Newton-Schulz runs once per matrix and step over all ranks (matmul
+FLOPs counted), and bad splits are refused at construction, naming the parameter.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from scenarios import Case, build, loss_of, run_cases
+from test_parity import MODES, ONE, TINY, TWO, bf16, check
+from torch.utils.flop_counter import FlopCounterMode
+
+import fused_zero
+from fused_zero.pipeline.whole_matrix import owners
+
+
+def test_every_mode_and_bucket_size_two_ranks():
+    cases = [Case(opt="Muon", overlap=o, grad_reduce=r, bucket_cap_mb=b) for (o, r) in MODES for b in (TINY, ONE)]
+    check(cases, run_ranks(run_cases, 2, cases))
+
+
+OPTIONS = {
+    "two Muon groups": dict(groups=2),
+    "no_sync accumulation, no grad views": dict(accumulate=2, as_view=False),
+    "nanoGPT accumulation": dict(accumulate=2, nanogpt_accumulate=True),
+    "find_unused: a matrix with no gradient": dict(graph="find_unused"),
+    "static_graph": dict(graph="static"),
+    "bf16 with master weights": dict(dtype=bf16),
+    "plain momentum, AdamW's rms": dict(kwargs={"nesterov": False, "adjust_lr_fn": "match_rms_adamw",
+                                                "momentum": 0.9, "ns_steps": 3}),
+}
+
+
+def test_options_two_ranks():
+    cases = [Case(opt="Muon", overlap=o, grad_reduce=r, bucket_cap_mb=b, **options)
+             for options, ((o, r), b) in zip(OPTIONS.values(), zip(itertools.cycle(MODES),
+                                                                     itertools.cycle((TINY, TWO, ONE))))]
+    check(cases, run_ranks(run_cases, 2, cases))
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_other_world_sizes(world):
+    modes = MODES if world > 1 else [m for m in MODES if m[1] == "reduce_scatter"]
+    cases = [Case(opt="Muon", overlap=o, grad_reduce=r, bucket_cap_mb=b)
+             for (o, r), b in zip(modes, itertools.cycle((TINY, ONE)))]
+    if world == 4:  # two shard groups of two: each matrix's Newton-Schulz runs once in each
+        cases += [Case(opt="Muon", overlap=o, shard=2, bucket_cap_mb=TINY, graph="find_unused")
+                  for o in ("bucket", "step")]
+    check(cases, run_ranks(run_cases, world, cases))
+
+
+def _ns_flops(rank: int, world: int, overlap: str) -> dict:
+    """Matmul FLOPs of one step: ours on this rank (the backward and step, less the reference's
+    backward: the same model, the same FLOPs), and torch.optim.Muon's step on one rank (every matrix)."""
+    case = Case(opt="Muon", overlap=overlap, bucket_cap_mb=TINY)
+    model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = build(case, rank)
+    for step in (1, 2, 3):  # past DDP's bucket rebuild
+        counts = {}
+        whole = opt._engine.updates._whole_matrix
+        before = whole[0].ns_flops if whole else 0
+        for name, d, o in (("ref", ref_ddp, ref_opt), ("ours", ddp, opt)):
+            loss = loss_of(d, case, step, 0, rank)
+            with FlopCounterMode(display=False) as backward:
+                loss.backward()
+            with FlopCounterMode(display=False) as stepping:
+                o.step()
+            o.zero_grad()
+            counts[name] = (backward.get_total_flops(), stepping.get_total_flops())
+    opt._engine.close()
+    (ref_backward, ref_step), (backward, stepping) = counts["ref"], counts["ours"]
+    return {"ours": backward - ref_backward + stepping, "torch": ref_step,
+            "owner": opt._engine.updates._whole_matrix[0].ns_flops - before}
+
+
+@pytest.mark.parametrize("world,overlap", [(2, "bucket"), (4, "step")])
+def test_newton_schulz_runs_once_per_matrix(world, overlap):
+    """Summed over the ranks, the Newton-Schulz matmuls of one step are one torch.optim.Muon step's:
+    each matrix is orthogonalized by its owner alone (DeepSpeed's and Moonlight's ZeRO Muon run it
+    wherever a rank holds a piece: up to W times). Each rank's count is what its owner share says."""
+    out = run_ranks(_ns_flops, world, overlap)
+    total = sum(r["ours"] for r in out)
+    assert total == out[0]["torch"] > 0, (total, out[0]["torch"])
+    assert [r["ours"] for r in out] == [r["owner"] for r in out]
+
+
+def gpt2_small_matrices() -> list[tuple[int, int]]:
+    """GPT-2 small's hidden matrices (12 layers: attention in and out, MLP in and out)."""
+    return [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_owners_balance_the_newton_schulz_cost(world):
+    """Longest-processing-time first over GPT-2 small's 48 matrices: the busiest rank's Newton-Schulz
+    cost within 25% of an even share up to 16 ranks (beyond, a rank gets a handful of matrices and the
+    largest one bounds it: docs/performance.md's scale rows)."""
+    shapes = gpt2_small_matrices()
+    owner = owners(shapes, world)
+    cost = [m * n * min(m, n) for m, n in shapes]
+    load = [sum(c for c, o in zip(cost, owner) if o == r) for r in range(world)]
+    assert max(load) <= 1.25 * sum(cost) / world, load
+    assert owners(shapes, world) == owner  # the same on every rank: a function of the shapes alone
+
+
+def _refused(rank: int, world: int, what: str) -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    mats = [model[0].weight, model[2].weight]
+    rest = [model[0].bias, model[1].weight, model[1].bias, model[2].bias]
+    try:
+        if what == "1-D":
+            fused_zero.Muon([*mats, model[1].weight], ddp=ddp)
+        elif what == "named 1-D":
+            fused_zero.Muon(list(model.named_parameters()), ddp=ddp)
+        elif what == "twice":
+            fused_zero.Muon(mats, ddp=ddp)
+            fused_zero.AdamW([*rest, model[2].weight], ddp=ddp)
+        elif what == "nobody":
+            fused_zero.Muon(mats, ddp=ddp)
+            fused_zero.AdamW(rest[:-1], ddp=ddp)
+            ddp(torch.randn(3, 4))
+        elif what == "8-bit":
+            fused_zero.Muon(mats, ddp=ddp, state_format="8bit")
+            fused_zero.AdamW(rest, ddp=ddp)
+    except ValueError as e:
+        dist.barrier()
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("what,named", [
+    ("1-D", "parameter 2 of param group 0 has size (6,)"),
+    ("named 1-D", "'0.bias' has size (6,)"),
+    ("twice", "2.weight"),
+    ("nobody", "2.bias"),
+    ("8-bit", "state_format='8bit' is not supported for Muon"),
+])
+def test_bad_splits_are_refused(what, named):
+    for message in run_ranks(_refused, 2, what):
+        assert named in message, message
