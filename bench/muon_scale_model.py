@@ -1,4 +1,4 @@
-"""Muon across W ranks, as docs/design.md ("Muon, sharded") plans it, for real model shapes on the meta
+"""Muon across W ranks, as fused_zero.Muon runs it (docs/design.md, "Muon, sharded"), for real model shapes on the meta
 device: each hidden matrix's Newton-Schulz (NS) runs once per step, on one owner rank, and the momentum
 stays on the ranks' element slices. What a rank computes and sends per step, against DDP +
 torch.optim.Muon (every rank runs every matrix's NS) and against ZeRO-1 AdamW's collectives for the same
@@ -14,8 +14,9 @@ DDP's (scale_model.py's ``ddp_bucket_params``, 25 MiB); a rank's slice of a buck
 
 **NS work** of an ``m x n`` matrix (``m <= n``, torch transposes tall ones): per iteration ``X X^T``
 (``2 m^2 n`` FLOPs), ``b G + c G G`` (``2 m^3``) and ``a X + (..) X`` (``2 m^2 n``), times ``ns_steps``
-= 5. **Owners** by longest-processing-time first: matrices by NS work, largest first, each to the
-rank with the least work so far; every rank computes the same assignment (ties to the lowest rank).
+= 5. **Owners**: fused_zero's own assignment (pipeline/whole_matrix.owners), longest-processing-time
+first: matrices by NS work, largest first, each to the rank with the least work so far; every rank
+computes the same assignment (ties to the lowest rank).
 
 **Bytes per rank and step** (one direction, bf16: 2 bytes an element; NS starts with ``bfloat16()``
 and returns bf16, so both transfers are exact): the nesterov update ``u`` of each matrix's elements in a
@@ -27,35 +28,25 @@ reduce-scatter and all-gather, ``2 (W - 1) / W`` of the matrices' bf16 bytes.
 
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
 from scale_model import WORLDS, _gb, build, ddp_bucket_params, run
+
+from fused_zero.pipeline.whole_matrix import owners  # the assignment fused_zero.Muon makes
+from fused_zero.update import muon
 
 NS_STEPS = 5
 ELEMENT_BYTES = 2  # bf16: u to the owner, the NS result back
 
 
 def ns_flops(shape: tuple[int, int]) -> float:
-    m, n = sorted(shape)
-    return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    return muon.ns_flops(shape, NS_STEPS)
 
 
 def muon_params(model) -> set[int]:
     """ids of the parameters Muon takes: 2-D weights of the blocks."""
     return {id(p) for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("blocks.")}
-
-
-def owners(costs: list[float], world: int) -> list[int]:
-    """Longest-processing-time first: each matrix, largest NS work first, to the least-loaded rank."""
-    heap = [(0.0, r) for r in range(min(world, len(costs)))]
-    out = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, r = heapq.heappop(heap)
-        out[i] = r
-        heapq.heappush(heap, (load + costs[i], r))
-    return out
 
 
 def matrices(model) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], list[int]]:
@@ -77,7 +68,7 @@ def matrices(model) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], 
 def row(name: str, world: int) -> dict:
     mats, shapes, sizes = matrices(build(name))
     costs = [ns_flops(s) for s in shapes]
-    own = owners(costs, world)
+    own = owners(shapes, world)
     work = np.zeros(world)
     for i, r in enumerate(own):
         work[r] += costs[i]

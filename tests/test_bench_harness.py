@@ -78,10 +78,10 @@ def test_muon_scale_model_runs_each_matrix_once_and_balances_it():
         spec.loader.exec_module(mm)
     finally:
         sys.path.remove(str(bench_dir))
-    costs = [5.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0]
-    own = mm.owners(costs, 3)
-    loads = [sum(c for c, r in zip(costs, own) if r == k) for k in range(3)]
-    assert sorted(loads) == [6.0, 7.0, 7.0]  # LPT: 5+2, 4+2+1, 3+3: every matrix once
+    shapes = [(1, 5), (1, 4), (1, 3), (1, 3), (1, 2), (1, 2), (1, 1)]  # NS FLOPs per step 4 n + 2
+    own = mm.owners(shapes, 3)  # fused_zero.Muon's own assignment
+    loads = [sum(4 * n + 2 for (_, n), r in zip(shapes, own) if r == k) for k in range(3)]
+    assert loads == [22 + 10, 18 + 10 + 6, 14 + 14]  # LPT, lower rank on ties: every matrix once
     assert mm.ns_flops((768, 3072)) == mm.ns_flops((3072, 768)) == 5 * (4 * 768 ** 2 * 3072 + 2 * 768 ** 3)
     one, eight = mm.row("GPT-2 small", 1), mm.row("GPT-2 small", 8)
     assert one["extra_bytes_max"] == 0 and one["zero1_bytes"] == 0

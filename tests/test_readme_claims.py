@@ -109,11 +109,12 @@ def test_option_table_is_generated_from_options_py():
     assert all(f"    {name}:" in ShardingOptions.__doc__ for name, _, _ in OPTIONS[1:])
 
 
-def test_example_runs_as_written_on_two_ranks():
-    """``torchrun --nproc_per_node 2 examples/train_ddp.py``, as the README and its docstring say."""
+@pytest.mark.parametrize("example", ["train_ddp.py", "train_muon.py"])
+def test_example_runs_as_written_on_two_ranks(example):
+    """``torchrun --nproc_per_node 2 examples/<example>``, as the README and its docstring say."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "examples/train_ddp.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           f"examples/{example}"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]

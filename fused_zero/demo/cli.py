@@ -20,9 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks to spawn (default: one per GPU, else 2 CPU ranks on gloo)")
     demo.add_argument("--steps", type=int, default=150,
                       help="training steps of each optimizer (default: 150)")
-    demo.add_argument("--optimizer", choices=["AdamW", "Adam", "SGD"], default="AdamW",
-                      help="the torch.optim algorithm and its fused_zero twin (default: AdamW; SGD with "
-                           "momentum 0.9)")
+    demo.add_argument("--optimizer", type=_optimizer_name, choices=OPTIMIZERS, default="AdamW",
+                      help="the torch.optim algorithm and its fused_zero twin, any case (default: AdamW; SGD "
+                           "with momentum 0.9; Muon: Muon at lr 0.02 for the blocks' matrices beside AdamW "
+                           "for the rest, two optimizers over one DDP module)")
     demo.add_argument("--overlap", choices=["bucket", "backward", "step"], default="bucket",
                       help="when fused_zero's updates run: each bucket as it is reduced, once the backward's "
                            "last bucket is reduced, or in step() (default: bucket)")
@@ -41,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write a torch.profiler trace of rank 0 (steps 4-6) to DIR; its path is printed")
     sub.add_parser("options", help="print the optimizers' keyword-only options as a markdown table")
     return parser
+
+
+OPTIMIZERS = ["AdamW", "Adam", "SGD", "Muon"]
+
+
+def _optimizer_name(name: str) -> str:
+    """``muon`` as ``Muon``: the class names, in any case."""
+    return next((o for o in OPTIMIZERS if o.lower() == name.lower()), name)
 
 
 def main(argv: list[str] | None = None) -> int:

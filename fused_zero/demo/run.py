@@ -83,6 +83,10 @@ def _hparams(cfg: DemoConfig) -> dict:
     return {"lr": cfg.lr, **extra}
 
 
+MUON_LR = 0.02
+"""Muon's lr in the demo (its authors' for GPTs of this size); AdamW beside it keeps ``--lr``."""
+
+
 def _groups(model, cfg):
     """Weight decay on matrices only, as GPT recipes do: two param groups."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -90,6 +94,18 @@ def _groups(model, cfg):
     hp = _hparams(cfg)
     return [{"params": decay, **hp}, {"params": rest, **hp, "weight_decay": 0.0}] if "weight_decay" in hp \
         else [{"params": decay + rest, **hp}]
+
+
+def _optimizers(model, cfg, module, **options) -> list:
+    """The optimizers of ``module`` (torch.optim, or fused_zero with ``options``): one, or for Muon two,
+    as its users split a GPT: Muon over the blocks' matrices, AdamW over the embeddings, norms and biases."""
+    if cfg.optimizer != "Muon":
+        return [getattr(module, cfg.optimizer)(_groups(model, cfg), **options)]
+    mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in mats}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [module.Muon(mats, lr=MUON_LR, **options),
+            module.AdamW(rest, lr=cfg.lr, weight_decay=0.0, **options)]
 
 
 def _sync(device):
@@ -105,10 +121,9 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
     data = tok.encode(text)
     ref_model, ref_ddp = _make(cfg, tok.vocab_size, device)
     model, ddp = _make(cfg, tok.vocab_size, device)
-    ref_opt = getattr(torch.optim, cfg.optimizer)(_groups(ref_model, cfg))
-    opt = getattr(fused_zero, cfg.optimizer)(_groups(model, cfg), ddp=ddp, overlap=cfg.overlap,
-                                              grad_reduce=cfg.grad_reduce, _backend=cfg.backend,
-                                              master_weights=False)
+    ref_opts = _optimizers(ref_model, cfg, torch.optim)
+    opts = _optimizers(model, cfg, fused_zero, ddp=ddp, overlap=cfg.overlap, grad_reduce=cfg.grad_reduce,
+                       _backend=cfg.backend, master_weights=False)
     stream = batches(data, batch_size=cfg.batch_size, block_size=cfg.block_size, rank=rank,
                      world_size=world, seed=cfg.seed)
     prof = _profiler(cfg, rank)
@@ -118,18 +133,20 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
         for step in range(1, cfg.steps + 1):
             x, y = (t.to(device) for t in next(stream))
             losses = []
-            for name, d, o in (("torch.optim", ref_ddp, ref_opt), ("fused_zero", ddp, opt)):
+            for name, d, os_ in (("torch.optim", ref_ddp, ref_opts), ("fused_zero", ddp, opts)):
                 _sync(device)
                 t0 = time.perf_counter()
                 _, loss = d(x, y)
                 loss.backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
+                for o in os_:
+                    o.step()
+                for o in os_:
+                    o.zero_grad(set_to_none=True)
                 _sync(device)
                 if step > 1:  # the first step compiles and rebuilds buckets
                     times[name] += time.perf_counter() - t0
                 losses.append(loss.detach())
-            opt.synchronize()
+            opts[0].synchronize()
             diff = _largest_difference(model, ref_model)
             stats = torch.tensor([diff, *(float(v) for v in losses)], dtype=torch.float64, device=device)
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -142,7 +159,9 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> dict | None:
     if rank != 0:
         return None
     per_iter = {k: v / max(cfg.steps - 1, 1) for k, v in times.items()}
-    return {"log": log, "worst": worst, "per_iter": per_iter, "memory": opt.memory()}
+    memory = [o.memory() for o in opts]
+    return {"log": log, "worst": worst, "per_iter": per_iter,
+            "memory": {k: sum(m[k] for m in memory) for k in ("state", "reference_state", "elements")}}
 
 
 def _largest_difference(model, ref_model) -> float:
@@ -212,7 +231,8 @@ def _print_trace(directory: str) -> None:
 
 def _print_report(cfg: DemoConfig, report: dict) -> None:
     dev = "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
-    print(f"\n{cfg.optimizer}, {cfg.world_size} ranks on {dev}, overlap={cfg.overlap}, "
+    name = f"Muon (lr {MUON_LR}) + AdamW" if cfg.optimizer == "Muon" else cfg.optimizer
+    print(f"\n{name}, {cfg.world_size} ranks on {dev}, overlap={cfg.overlap}, "
           f"grad_reduce={cfg.grad_reduce}, bucket_cap_mb={cfg.bucket_cap_mb}, {cfg.dtype}")
     print(f"each value is the maximum over the {cfg.world_size} ranks (each rank's loss is on its own batch)")
     print(f"{'step':>6} {'loss torch.optim':>17} {'loss fused_zero':>16} {'max |param diff|':>17}")

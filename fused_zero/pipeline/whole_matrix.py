@@ -36,9 +36,10 @@ from .strides import strided_view
 
 
 def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
-    """The owning rank of each matrix: longest processing time first (costliest first, to the least
-    loaded rank, lower rank on ties), a balance within 4/3 of the best possible."""
-    cost = [m * n * min(m, n) for m, n in shapes]
+    """The owning rank of each matrix: longest processing time first by Newton-Schulz FLOPs (costliest
+    first, to the least loaded rank, lower rank on ties), a balance within 4/3 of the best possible.
+    bench/muon_scale_model.py tables it for real models up to W=8192."""
+    cost = [muon.ns_flops(shape, 1) for shape in shapes]
     order = sorted(range(len(shapes)), key=lambda i: (-cost[i], i))
     loads = [(0, r) for r in range(world)]
     out = [0] * len(shapes)
