@@ -12,7 +12,7 @@
 #   nvidia-smi, versions         what the machine is;
 #   gpu-kernels                  tests/gpu's kernel cases (pays the cold Triton cache: TRITON_CACHE_DIR
 #                                is one folder for every step, so later steps reuse what it compiled);
-#   gpu-engine, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
+#   gpu-engine, gpu-muon, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
 #                                the other tests/gpu cases, one pytest each (-k), so a failure or a
 #                                timeout names its case; a step whose cases are absent is "skipped";
 #   memcheck                     compute-sanitizer's memcheck over one small case, where the machine has
@@ -22,7 +22,7 @@
 #   demo                         the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
 # The CPU suite is CI's job and is not rerun here.
 #
-# Budget: the limits and RESERVE (room for GPU cases being added: Muon, CUDA graphs) add up to at most
+# Budget: the limits and RESERVE (room for GPU cases being added: CUDA graphs) add up to at most
 # TOTAL_BUDGET (360 s), checked before anything runs; FINISH (30 s) more covers the summary and the
 # bundle: 6.5 minutes at most, so that a first run after a machine start (1-2 minutes) and one rerun
 # fit the 15 minutes of device time a session gets. A step gets what is left of TOTAL_BUDGET when that
@@ -49,7 +49,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 TOTAL_BUDGET=${TOTAL_BUDGET:-360}
 FINISH=30
-RESERVE=30
+RESERVE=15
 ONLY=${GPU_CHECK_ONLY:-}
 DRY=${GPU_CHECK_DRY_RUN:-}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
@@ -68,11 +68,11 @@ PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 # gpu-engine, gpu-host-sync, bench-kernels, bench-step and demo. The limits now fill TOTAL_BUDGET.
 declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
-    [gpu-kernels]=45 [gpu-engine]=20 [gpu-formats]=20 [gpu-host-sync]=15 [gpu-ranks]=25
+    [gpu-kernels]=45 [gpu-engine]=20 [gpu-muon]=15 [gpu-formats]=20 [gpu-host-sync]=15 [gpu-ranks]=25
     [gpu-torch-sanitizer]=20 [gpu-state-dict]=90 [memcheck]=25
     [bench-kernels]=25 [bench-step]=20 [demo]=10
 )
-ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-formats gpu-host-sync gpu-ranks gpu-torch-sanitizer
+ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-formats gpu-host-sync gpu-ranks gpu-torch-sanitizer
        gpu-state-dict memcheck bench-kernels bench-step demo)
 
 sum=$RESERVE
@@ -123,6 +123,7 @@ step versions python3 -c "import torch, triton; print('torch', torch.__version__
 print('triton', triton.__version__)"
 gpu gpu-kernels "kernels"
 gpu gpu-engine "engine_world1"
+gpu gpu-muon "muon"
 gpu gpu-formats "compact_state_formats"
 gpu gpu-host-sync "never_syncs_the_host"
 gpu gpu-ranks "two_gloo_ranks or nccl_on_two_gpus"

@@ -248,6 +248,52 @@ def case_engine_world1():
     run_ranks(_world1, 1, 20, backend="nccl", timeout=300)
 
 
+def _muon(rank, world, steps=8):
+    """fused_zero.Muon beside fused_zero.AdamW over one DDP module (OddNet's matrices and the rest, as the
+    CPU tests split it) against torch.optim.Muon + AdamW, in every overlap mode: Newton-Schulz on the
+    side stream, the AdamW part in the Triton kernels. The Muon part runs torch's own ops on the owner,
+    so what differs is the kernels' AdamW (a few fp32 ulps) as it reaches the next steps' gradients;
+    a skipped or doubled Muon step moves its matrices by lr x |O| ~ 5e-3."""
+    from scenarios import VOCAB, Case, OddNet, batch, muon_split
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    device = torch.device("cuda", 0)
+    for overlap in ("bucket", "backward", "step"):
+        torch.manual_seed(1234)
+        model, ref = OddNet(), OddNet()
+        ref.load_state_dict(model.state_dict())
+        for m in (model, ref):
+            m.never.requires_grad_(False)
+            m.to(device)
+        ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
+        case = Case(opt="Muon")
+        opts = [getattr(fused_zero, kind)(groups, ddp=ddp, overlap=overlap) for kind, groups in muon_split(model, case)]
+        ref_opts = [getattr(torch.optim, kind)(groups, **({} if kind == "Muon" else {"foreach": False}))
+                    for kind, groups in muon_split(ref, case)]
+        for step in range(1, steps + 1):
+            x, y = (t.to(device) for t in batch(step, 0, rank))
+            for d, os_ in ((ref_ddp, ref_opts), (ddp, opts)):
+                F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+                for o in os_:
+                    o.step()
+                for o in os_:
+                    o.zero_grad()
+            opts[0].synchronize()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                measure("muon", f"world {world} {overlap} step {step} {name}", p, q)
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=5e-4,
+                                           msg=lambda m, n=f"{overlap} step {step} {name}": f"{n}: {m}")
+        opts[0]._engine.close()
+
+
+def case_muon():
+    from fused_zero.demo.spawn import run_ranks
+
+    run_ranks(_muon, 1, backend="nccl", timeout=300)
+
+
 def _formats(rank, world):
     """Compact state with the compiled kernels: bf16 and 8-bit moments, per-group formats in mixed
     buckets, stochastic rounding, each against its oracle (tests/pipeline/formats_scenarios.py: torch.optim

@@ -44,6 +44,10 @@ def test_engine_world1_every_mode():
     run_case("engine_world1")
 
 
+def test_muon_beside_adamw():
+    run_case("muon")
+
+
 def test_compact_state_formats():
     run_case("formats")
 
