@@ -40,7 +40,7 @@ class Algorithm:
     ``fill_steps`` on the device, from the step counts kept there (step_columns.py)."""
 
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
-    phased = False  # updates in phases with collectives between (Muon, update/muon.py): ``step_units``
+    phased = False  # updates in phases with collectives between (Muon: pipeline/whole_matrix.py)
 
     def __init__(self, param_groups: list[dict]):
         self.refresh(param_groups)
