@@ -173,22 +173,31 @@ def case_kernels():
 # ---------------------------------------------------------------------------------------- engine
 
 
-def _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=20, bucket_cap_mb=0.0001,
-                   grad_reduce="reduce_scatter", graph="plain", zero_to_none=True):
-    """fused_zero AdamW under DDP against DDP + torch.optim.AdamW (on fp32 masters for bf16), on
-    ``device``; every step compares every parameter (param_sync="forward": after synchronize())."""
-    from scenarios import VOCAB, OddNet, batch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import fused_zero
+def _twin_models(device, dtype=torch.float32, freeze_never=True):
+    """Two OddNets with the same weights (seed 1234) on ``device``: ours and torch.optim's reference;
+    ``freeze_never``: the layer no step uses frozen, as DDP without find_unused_parameters needs."""
+    from scenarios import OddNet
 
     torch.manual_seed(1234)
     model, ref = OddNet(), OddNet()
     ref.load_state_dict(model.state_dict())
     for m in (model, ref):
-        if graph == "plain":
+        if freeze_never:
             m.never.requires_grad_(False)
         m.to(device=device, dtype=dtype)
+    return model, ref
+
+
+def _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=20, bucket_cap_mb=0.0001,
+                   grad_reduce="reduce_scatter", graph="plain", zero_to_none=True):
+    """fused_zero AdamW under DDP against DDP + torch.optim.AdamW (on fp32 masters for bf16), on
+    ``device``; every step compares every parameter (param_sync="forward": after synchronize())."""
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    model, ref = _twin_models(device, dtype, freeze_never=graph == "plain")
     ids = [device.index] if device.index is not None else None
     kw = dict(bucket_cap_mb=bucket_cap_mb, device_ids=ids, find_unused_parameters=graph == "find_unused")
     ddp, ref_ddp = DDP(model, **kw), DDP(ref, **kw)
@@ -254,19 +263,14 @@ def _muon(rank, world, steps=8):
     side stream, the AdamW part in the Triton kernels. The Muon part runs torch's own ops on the owner,
     so what differs is the kernels' AdamW (a few fp32 ulps) as it reaches the next steps' gradients;
     a skipped or doubled Muon step moves its matrices by lr x |O| ~ 5e-3."""
-    from scenarios import VOCAB, Case, OddNet, batch, muon_split
+    from scenarios import VOCAB, Case, batch, muon_split
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
     device = torch.device("cuda", 0)
     for overlap in ("bucket", "backward", "step"):
-        torch.manual_seed(1234)
-        model, ref = OddNet(), OddNet()
-        ref.load_state_dict(model.state_dict())
-        for m in (model, ref):
-            m.never.requires_grad_(False)
-            m.to(device)
+        model, ref = _twin_models(device)
         ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
         case = Case(opt="Muon")
         opts = [getattr(fused_zero, kind)(groups, ddp=ddp, overlap=overlap) for kind, groups in muon_split(model, case)]
@@ -565,7 +569,7 @@ def _rank0_checkpoint(rank, world):
     queued behind a ``torch.cuda._sleep`` on its side stream: the dict must be torch.optim's at that
     step, so each server's copy must wait for its published event (issue 28's defect 6 reads the region
     before the updates ran, whatever the timing). Rank 1 goes straight on into its next iteration."""
-    from scenarios import VOCAB, OddNet, batch
+    from scenarios import VOCAB, batch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
@@ -575,12 +579,7 @@ def _rank0_checkpoint(rank, world):
     if reason:
         return reason
     for overlap in ("bucket", "backward", "step"):
-        torch.manual_seed(1234)
-        model, ref = OddNet(), OddNet()
-        ref.load_state_dict(model.state_dict())
-        for m in (model, ref):
-            m.never.requires_grad_(False)
-            m.to(dev)
+        model, ref = _twin_models(dev)
         ddp, ref_ddp = DDP(model, bucket_cap_mb=0.0001), DDP(ref, bucket_cap_mb=0.0001)
         opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
