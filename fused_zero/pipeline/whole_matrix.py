@@ -84,7 +84,11 @@ class WholeMatrix:
         hp = it.hparams[self.member.index]
         with range_push("fused_zero.muon"):
             inputs, sends = self._momentum(mats, rows, hp, args)
-            self._receive(mats, inputs, self._exchange(sends, self._in_sizes(mats)))
+            incoming = self._incoming(mats)
+            sizes = [0] * self.world
+            for src, _, a, b in incoming:
+                sizes[src] += b - a
+            self._receive(incoming, inputs, self._exchange(sends, sizes))
             results = self._orthogonalize(mats, inputs, hp)
             back = self._exchange(self._results_out(mats, results), self._back_sizes(mats))
             self._apply(mats, rows, results, back, hp)
@@ -123,29 +127,17 @@ class WholeMatrix:
                     sends[self.owner[pid]].append(piece)
         return inputs, sends
 
-    def _runs(self, lay, local: int, holder: int, tail: bool) -> list[tuple[int, int]]:
-        """Element runs of a matrix in ``holder``'s slice (and, with ``tail``, in the replicated tail)."""
-        return [(a, b) for a, b, who, _ in lay.owners(local, holder) if who == holder or (tail and who == REPLICATED)]
+    def _incoming(self, mats) -> list[tuple[int, int, int, int]]:
+        """``(src, pid, a, b)``: the slice runs of this rank's own matrices that the other ranks send it in
+        phase 2, in matrix then element order: each source's send order."""
+        return [(who, pid, a, b) for pid, lay, local in mats if self.owner[pid] == self.rank
+                for a, b, who, _ in lay.owners(local, self.rank) if who not in (self.rank, REPLICATED)]
 
-    def _in_sizes(self, mats) -> list[int]:
-        """Elements this owner receives from each rank in phase 2: their slices of its matrices."""
-        sizes = [0] * self.world
-        for pid, lay, local in mats:
-            if self.owner[pid] == self.rank:
-                for src in range(self.world):
-                    if src != self.rank:
-                        sizes[src] += sum(b - a for a, b in self._runs(lay, local, src, tail=False))
-        return sizes
-
-    def _receive(self, mats, inputs, recv: list[torch.Tensor]) -> None:
+    def _receive(self, incoming, inputs, recv: list[torch.Tensor]) -> None:
         at = [0] * self.world
-        for pid, lay, local in mats:
-            if self.owner[pid] == self.rank:
-                for src in range(self.world):
-                    if src != self.rank:
-                        for a, b in self._runs(lay, local, src, tail=False):
-                            inputs[pid][a:b] = recv[src][at[src]:at[src] + b - a]
-                            at[src] += b - a
+        for src, pid, a, b in incoming:
+            inputs[pid][a:b] = recv[src][at[src]:at[src] + b - a]
+            at[src] += b - a
 
     def _orthogonalize(self, mats, inputs, hp) -> dict:
         """Phase 3: Newton-Schulz of each owned matrix, in its parameter's shape and strides; the
@@ -166,20 +158,23 @@ class WholeMatrix:
         return out
 
     def _results_out(self, mats, results) -> list:
-        """Phase 4's sends: each rank's slice and tail pieces of this owner's results."""
+        """Phase 4's sends: each rank's slice pieces of this owner's results, and the tail's to every rank."""
         sends = [[] for _ in range(self.world)]
         for pid, lay, local in mats:
             if self.owner[pid] == self.rank:
-                for dst in range(self.world):
-                    if dst != self.rank:
-                        sends[dst] += [results[pid][a:b] for a, b in self._runs(lay, local, dst, tail=True)]
+                for a, b, who, _ in lay.owners(local, self.rank):
+                    for dst in range(self.world) if who == REPLICATED else (who,):
+                        if dst != self.rank:
+                            sends[dst].append(results[pid][a:b])
         return sends
 
     def _back_sizes(self, mats) -> list[int]:
+        """Elements each owner sends this rank in phase 4: its pieces (slice and tail) of their matrices."""
         sizes = [0] * self.world
         for pid, lay, local in mats:
             if self.owner[pid] != self.rank:
-                sizes[self.owner[pid]] += sum(b - a for a, b in self._runs(lay, local, self.rank, tail=True))
+                sizes[self.owner[pid]] += sum(b - a for a, b, who, _ in lay.owners(local, self.rank)
+                                              if who in (self.rank, REPLICATED))
         return sizes
 
     def _apply(self, mats, rows, results, back, hp) -> None:
