@@ -289,7 +289,7 @@ class StreamChecker:
             with checker.paused():
                 out = real(backend, rows, segments, coefs, grad, grad_scale)
             for t in out:
-                checker.memory.register(t)
+                checker.memory.register(t, fresh=True)
             checker.record("norm kernel", reads=reads, writes=list(out))
             return out
         return grad_sumsq

@@ -123,7 +123,7 @@ class ModeledStreams:
     def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         with self.checker.paused():
             t = torch.empty(shape, dtype=dtype)
-        self.checker.memory.register(t, host=True, name=f"pinned {dtype} {tuple(t.shape)}", pinned=True)
+        self.checker.memory.register(t, host=True, name=f"pinned {dtype} {tuple(t.shape)}", pinned=True, fresh=True)
         return t
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ class ModeledStreams:
         with checker.paused():
             out = torch.empty_like(host)
             out.copy_(host)
-        checker.memory.register(out, host=False, name=f"upload {tuple(out.shape)}")
+        checker.memory.register(out, host=False, name=f"upload {tuple(out.shape)}", fresh=True)
         checker.record("copy host->device (non_blocking)", reads=[host], writes=[out])
         return out
 
@@ -141,7 +141,7 @@ class ModeledStreams:
         checker = self.checker
         with checker.paused():
             out = t.clone()
-        checker.memory.register(out, host=True, name=f"host copy {tuple(out.shape)}")
+        checker.memory.register(out, host=True, name=f"host copy {tuple(out.shape)}", fresh=True)
         # a transfer: CUDA makes a blocking copy into any host memory, pageable too (unlike to_host's)
         checker.record("copy device->host (blocking)", reads=[t], writes=[out], sid=checker.current,
                        transfer=True)

@@ -30,10 +30,14 @@ class Memory:
         self._refs: dict = {}  # storage key -> weak reference to the storage registered there
 
     def register(self, t: torch.Tensor, host: bool = False, name: str | None = None, pinned: bool = False,
-                 origin: str = "") -> Storage | None:
+                 origin: str = "", fresh: bool = False) -> Storage | None:
         """Know ``t``'s storage (allocated now, on the current stream, unless known already); returns its
         entry (None for a storage without memory). ``origin``: the host tensor a host-computed one derives
-        from (named in reports: where the data was made)."""
+        from (named in reports: where the data was made). ``fresh``: the storage was allocated by the
+        operation that returns it, so an entry at its address is a dead storage's, whatever the weak
+        reference says (a storage's Python object may be gone without its weak reference cleared, and a
+        new one made at the same address then passes for it: seen with two threads freeing and
+        allocating at once, the training thread's temporary counted as the checkpoint server's)."""
         checker = self.checker
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -41,7 +45,7 @@ class Memory:
             if key == 0:
                 return None
             ref = self._refs.get(key)
-            if ref is not None and ref() is storage:
+            if ref is not None and not fresh and ref() is storage:
                 known = checker.clocks.storages.get(key)
                 if known is not None:
                     return known

@@ -80,7 +80,8 @@ def _factory(checker, real):
         made = _tensors(out)
         kind = "pinned" if pinned else "host" if host else "device"
         for t in made:
-            checker.memory.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned)
+            checker.memory.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned,
+                                    fresh=True)
         if real.__name__ != "empty":  # the values it fills in are a write, on the stream it runs on
             checker.record(f"torch.{real.__name__}", writes=made)
         return out
@@ -107,7 +108,7 @@ def _to(checker, real):
                 # a copy in device memory, as on a GPU (on the CPU ``to`` hands back the host tensor itself)
                 with checker.paused():
                     out = real(self, *args, **{**kwargs, "copy": True})
-                checker.memory.register(out, name=f"device copy {tuple(out.shape)}")
+                checker.memory.register(out, name=f"device copy {tuple(out.shape)}", fresh=True)
                 checker.record("tensor.to(device)", reads=[self], writes=[out], transfer=True)
                 return out
             if not source_host and to_host:
@@ -137,7 +138,7 @@ class DispatchCalls(TorchDispatchMode):
         memory = checker.memory
         if sig.lifts:  # Python data (an index list, a number) made a tensor
             for t in _tensors(out):
-                memory.register(t, host=True, name=f"host data {tuple(t.shape)}")
+                memory.register(t, host=True, name=f"host data {tuple(t.shape)}", fresh=True)
             return out
         reads, writes, inputs = [], [], []
         n_args = len(args)
@@ -171,7 +172,7 @@ class DispatchCalls(TorchDispatchMode):
         host = all(memory.is_host(t) for t in shaped) if shaped else all(t.dim() == 0 for t in fresh)
         origin = memory.origin(shaped[0]) if host and shaped and shaped[0].dim() else ""
         for t in fresh:
-            memory.register(t, host=host, origin=origin)
+            memory.register(t, host=host, origin=origin, fresh=True)
         # a copy from host memory into device memory is a transfer, not a device operation on host
         # memory: CUDA makes it from any host memory, with a host wait from pageable memory
         transfer = sig.copies and not memory.is_host(args[0]) and memory.is_host(args[1])
