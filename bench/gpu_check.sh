@@ -12,17 +12,19 @@
 #   nvidia-smi, versions         what the machine is;
 #   gpu-kernels                  tests/gpu's kernel cases (pays the cold Triton cache: TRITON_CACHE_DIR
 #                                is one folder for every step, so later steps reuse what it compiled);
-#   gpu-engine, gpu-muon, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
+#   gpu-engine, gpu-muon, gpu-graph, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
 #                                the other tests/gpu cases, one pytest each (-k), so a failure or a
 #                                timeout names its case; a step whose cases are absent is "skipped";
 #   memcheck                     compute-sanitizer's memcheck over one small case, where the machine has
 #                                compute-sanitizer (else "skipped");
 #   bench-kernels, bench-step    the update kernels at 1M-256M elements; one demo-GPT iteration per
 #                                overlap mode against DDP + fused AdamW;
+#   bench-graph                  step() eager against step() replayed from a CUDA graph (capturable=True):
+#                                host time per step and iteration time, demo GPT and 500 small parameters;
 #   demo                         the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
 # The CPU suite is CI's job and is not rerun here.
 #
-# Budget: the limits and RESERVE (room for GPU cases being added: CUDA graphs) add up to at most
+# Budget: the limits and RESERVE (room for GPU cases being added) add up to at most
 # TOTAL_BUDGET (360 s), checked before anything runs; FINISH (30 s) more covers the summary and the
 # bundle: 6.5 minutes at most, so that a first run after a machine start (1-2 minutes) and one rerun
 # fit the 15 minutes of device time a session gets. A step gets what is left of TOTAL_BUDGET when that
@@ -49,7 +51,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 TOTAL_BUDGET=${TOTAL_BUDGET:-360}
 FINISH=30
-RESERVE=15
+RESERVE=0
 ONLY=${GPU_CHECK_ONLY:-}
 DRY=${GPU_CHECK_DRY_RUN:-}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
@@ -61,19 +63,21 @@ export GPU_MEASURE="$WORK/measured.jsonl"   # every comparison with torch.optim,
 : > "$OUT/status.txt"
 PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 
-# Estimates until a first run's status lines give the times. gpu-state-dict gets 90 s: two spawned gloo
+# Estimates until a first run's status lines give the times. gpu-state-dict gets 75 s: two spawned gloo
 # ranks, 3 overlap modes, 30-60 s on a cold Triton cache (a rerun of that step alone, GPU_CHECK_ONLY, on a
 # fresh machine pays it), paid for by the 25 s the budget had left and 5 s from each of versions,
 # gpu-kernels (its compiles: ~12 s of the ~25 s CPU time test_ptx.py takes for two architectures),
-# gpu-engine, gpu-host-sync, bench-kernels, bench-step and demo. The limits now fill TOTAL_BUDGET.
+# gpu-engine, gpu-host-sync, bench-kernels, bench-step and demo. The CUDA-graph steps took the reserve's
+# 15 s and 20 s from gpu-state-dict (75) and memcheck (20): gpu-graph 15 (one spawned NCCL rank, 3
+# engines, 14 steps), bench-graph 20 (2 models x 3 systems x 40 iterations). The limits fill TOTAL_BUDGET.
 declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
-    [gpu-kernels]=45 [gpu-engine]=20 [gpu-muon]=15 [gpu-formats]=20 [gpu-host-sync]=15 [gpu-ranks]=25
-    [gpu-torch-sanitizer]=20 [gpu-state-dict]=90 [memcheck]=25
-    [bench-kernels]=25 [bench-step]=20 [demo]=10
+    [gpu-kernels]=45 [gpu-engine]=20 [gpu-muon]=15 [gpu-graph]=15 [gpu-formats]=20 [gpu-host-sync]=15
+    [gpu-ranks]=25 [gpu-torch-sanitizer]=20 [gpu-state-dict]=75 [memcheck]=20
+    [bench-kernels]=25 [bench-step]=20 [bench-graph]=20 [demo]=10
 )
-ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-formats gpu-host-sync gpu-ranks gpu-torch-sanitizer
-       gpu-state-dict memcheck bench-kernels bench-step demo)
+ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-graph gpu-formats gpu-host-sync gpu-ranks
+       gpu-torch-sanitizer gpu-state-dict memcheck bench-kernels bench-step bench-graph demo)
 
 sum=$RESERVE
 for name in "${ORDER[@]}"; do sum=$((sum + LIMIT[$name])); done
@@ -124,6 +128,7 @@ print('triton', triton.__version__)"
 gpu gpu-kernels "kernels"
 gpu gpu-engine "engine_world1"
 gpu gpu-muon "muon"
+gpu gpu-graph "cuda_graph"
 gpu gpu-formats "compact_state_formats"
 gpu gpu-host-sync "never_syncs_the_host"
 gpu gpu-ranks "two_gloo_ranks or nccl_on_two_gpus"
@@ -144,6 +149,7 @@ step bench-kernels "${PYTEST[@]}" bench/test_bench_kernels.py -k "1M or 16M or 6
     --benchmark-max-time=0.2 --benchmark-json "$WORK/bench-kernels.json"
 step bench-step "${PYTEST[@]}" bench/test_bench_step.py -k "test_step and iteration" \
     --benchmark-max-time=0.5 --benchmark-json "$WORK/bench-step.json"
+step bench-graph "${PYTEST[@]}" bench/test_bench_graph.py --benchmark-json "$WORK/bench-graph.json"
 step demo python3 -m fused_zero.demo.cli demo --world-size 1 --steps 10 --profile "$WORK/trace"
 
 echo "== total $(($(date +%s) - START))s of ${TOTAL_BUDGET}s"

@@ -74,12 +74,16 @@ def grad_sumsq(
     *,
     grad: torch.Tensor,
     grad_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(sum of squares of the finite gradients, number of non-finite ones)``.
 
-    Both are fp32 0-dim tensors on the gradient's device; nothing is copied to the host. ``coefs``
-    is the same per-parameter table the update uses (only its ``active`` and ``grad_div`` columns are
-    read), so the norm is that of the gradient the update will see.
+    Both are fp32 0-dim tensors on the gradient's device (views of ``out``, a float32 ``[2]``, where
+    given); nothing is copied to the host. ``coefs`` is the same per-parameter table the update uses
+    (only its ``active`` and ``grad_div`` columns are read), so the norm is that of the gradient the
+    update will see. ``partials``: the per-row sums' buffer, float32 ``[max(n_rows, 1), 2]`` (made
+    here if not given): with both given, nothing is allocated, as a CUDA graph's capture wants.
     """
     device = grad.device
     check_flat("grad", grad, device)
@@ -89,12 +93,20 @@ def grad_sumsq(
     check_coefs(coefs, coefs.shape[1], segments, device)
     segments.check(shard=segments.shard_extent, param=segments.param_extent, grad=grad.numel(),
                    coefs=coefs.shape[0])
-    out = torch.zeros(max(segments.n_rows, 1), 2, dtype=torch.float32, device=device)
+    shape = (max(segments.n_rows, 1), 2)
+    if partials is None:
+        partials = torch.zeros(shape, dtype=torch.float32, device=device)
+    else:
+        if tuple(partials.shape) != shape or partials.dtype != torch.float32 or partials.device != device:
+            raise ValueError(f"partials must be a float32 {list(shape)} tensor on the gradient's device")
+        partials.zero_()
+    if out is not None and (tuple(out.shape) != (2,) or out.dtype != torch.float32 or out.device != device):
+        raise ValueError("out must be a float32 [2] tensor on the gradient's device")
     if segments.n_rows:
         _grad_sumsq_kernel[grid(segments)](
             segments.rows, coefs, grad,
             grad_scale if grad_scale is not None else coefs,
-            out,
+            partials,
             N_COEF=coefs.shape[1],
             HAS_GRAD_SCALE=grad_scale is not None,
             VEC=VEC,
@@ -103,5 +115,5 @@ def grad_sumsq(
             num_warps=NUM_WARPS,
             enable_fp_fusion=FP_FUSION,
         )
-    total = out.sum(dim=0)
+    total = torch.sum(partials, dim=0, out=out)
     return total[0], total[1]

@@ -57,15 +57,14 @@ def test_dry_run_fits_the_budget_and_the_device_time(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = status(tmp_path)
     names = [r[0] for r in rows]
-    assert names == ["nvidia-smi", "versions", "gpu-kernels", "gpu-engine", "gpu-muon", "gpu-formats", "gpu-host-sync",
-                     "gpu-ranks", "gpu-torch-sanitizer", "gpu-state-dict", "memcheck", "bench-kernels",
-                     "bench-step", "demo"], names
+    assert names == ["nvidia-smi", "versions", "gpu-kernels", "gpu-engine", "gpu-muon", "gpu-graph", "gpu-formats",
+                     "gpu-host-sync", "gpu-ranks", "gpu-torch-sanitizer", "gpu-state-dict", "memcheck",
+                     "bench-kernels", "bench-step", "bench-graph", "demo"], names
     assert all(len(r) == 4 and r[1] == "0" for r in rows), rows  # step, exit code, seconds, limit
     steps, reserve, total, finish = map(int, re.search(
         r"steps (\d+)s \(reserve (\d+)s included\) of (\d+)s, then (\d+)s", proc.stdout).groups())
     assert steps == sum(int(r[3]) for r in rows) + reserve <= total, (steps, total)
-    assert reserve >= 15, "room for the GPU cases being added (CUDA graphs)"
-    assert dict((r[0], int(r[3])) for r in rows)["gpu-state-dict"] >= 90, "30-60 s on a cold Triton cache"
+    assert dict((r[0], int(r[3])) for r in rows)["gpu-state-dict"] >= 75, "30-60 s on a cold Triton cache"
     assert MACHINE_START + 2 * (total + finish) <= DEVICE_TIME, "a run and one rerun must fit the device time"
 
 
@@ -82,7 +81,7 @@ def test_the_check_installs_nothing():
 
 def test_every_gpu_step_selects_its_cases():
     steps = re.findall(r'^gpu (\S+) "([^"]+)"$', open(SCRIPT).read(), re.M)
-    assert len(steps) == 8, steps
+    assert len(steps) == 9, steps
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     listed = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
                              os.path.join(ROOT, "tests", "gpu")], capture_output=True, text=True, env=env,

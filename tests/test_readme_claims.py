@@ -35,6 +35,9 @@ ELSEWHERE = {
         "(state_dict() on rank 0 alone after a rank-0-only evaluation)",
     ("docs/usage.md", "ddp=model, lr=3e-4"):
         "a process without a process group: tests/pipeline/test_single_process.py::test_usage_block_runs",
+    ("docs/usage.md", "capturable=True"):
+        "CUDA parameters only: tests/gpu/gpu_cases.py case_capture (bench/gpu_check.sh) runs this loop on a GPU, "
+        "tests/pipeline/test_step_graph.py on the stream-order checker's CPU model",
 }
 
 

@@ -27,7 +27,7 @@ class AdamW(_ShardedOptimizer):
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  ddp=None, **options):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=True, **_TORCH_FLAGS)
+                        maximize=maximize, decoupled_weight_decay=True, **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
         self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
                     capturable=capturable, differentiable=differentiable)
@@ -40,7 +40,8 @@ class Adam(_ShardedOptimizer):
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, ddp=None, **options):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, **_TORCH_FLAGS)
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+                        **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
         self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay), options,
                     capturable=capturable, differentiable=differentiable)

@@ -83,13 +83,12 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """``options``: the keyword-only sharding options (options.OPTIONS) (an unknown one is a
         TypeError naming it). foreach and fused are accepted for drop-in compatibility and ignored: the
         update is always one fused kernel."""
-        if capturable:
+        if capturable and (ddp is not None or "overlap" in options) and options.get("overlap") != "step":
             raise ValueError(
-                "capturable=True is not supported: fused_zero's step already keeps its step counts and bias "
-                "corrections on the device and makes no host synchronization (what capturable=True gives "
-                "torch.optim outside a graph), but step() cannot be captured in a CUDA graph yet (its "
-                "coefficient tables are refilled from pinned buffers and its collectives issued by the host "
-                "each step); leave capturable=False")
+                "capturable=True replays step()'s updates, checks and all-gathers from a CUDA graph, which needs "
+                f"them in step(): pass overlap=\"step\" (got overlap={options.get('overlap', 'auto')!r}, where "
+                "they run inside the backward); the step has no host synchronization in every mode without it")
+        self._capturable = bool(capturable)  # the engine refuses what a graph cannot hold (pipeline/step_graph.py)
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused update is not part of the autograd "
                              "graph; leave differentiable=False")

@@ -29,8 +29,10 @@ from .members import Member
 from .profiling import range_push
 from .reduction import Reduced, Reduction, UsedFlags
 from .registry import ShardRegistry
+from .scratch import Scratch
 from .shard import BucketShard
 from .step_counts import StepCounts
+from .step_graph import StepGraph, check_capturable
 from .step_policy import StepPolicy
 from .stepping import Stepping
 from .streams import SideStream
@@ -96,6 +98,9 @@ class Engine(Stepping):
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
         scaler: the user's GradScaler (the first member's ScalerLink: each member has its own), or None.
+        capturable, graph, scratch: whether ``step()``'s device work is replayed from a CUDA graph
+            (``capturable=True``), the graph (step_graph.py), the small tensors that work writes
+            (scratch.py: kept across steps where a graph reads them).
         skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
@@ -138,6 +143,12 @@ class Engine(Stepping):
         self.group, self.world, self.rank = topo.group, topo.world, topo.rank
         topo.check_reduce_dtype(self.options.grad_reduce_dtype, self.device)
         self.side = SideStream(self.device)
+        self.capturable = any(getattr(opt, "_capturable", False) for opt, _, _ in members)
+        if self.capturable:
+            check_capturable(self, ddp)
+        # what the device work writes besides the state: kept across steps where a graph replays it
+        self.scratch = Scratch(self.device, kept=self.capturable)
+        self.graph = StepGraph(self.side) if self.capturable else None
         self.step_counts = StepCounts(len(self.params), self.side)
         self.iteration = _Iteration()
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -263,7 +274,7 @@ class Engine(Stepping):
         it.hparams = [self._read_hparams(m) for m in self.members]
         it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
-        it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        it.found_inf = self.scratch.take("found_inf", (1,), torch.float32).zero_()
         self.side.follow()
 
     @staticmethod

@@ -34,18 +34,21 @@ class StepCounts:
     def begin_iteration(self) -> int:
         """The bound of this iteration's counts, once its updates have counted (the tables need it)."""
         self.bound += 1
+        self._host = None  # this iteration's updates may count
         return self.bound
 
-    def after(self) -> torch.Tensor:
+    def after(self, scratch) -> torch.Tensor:
         """Every count as it is once this step counts, as torch.optim's ``state["step"]`` reads during the
         update (queued on the side stream; rows of parameters this step skips are never read)."""
-        return self.counts + 1
+        return torch.add(self.counts, 1, out=scratch.take("after", self.counts.shape, torch.int64))
 
-    def count(self, pids: torch.Tensor, table: torch.Tensor, found: torch.Tensor) -> None:
+    def count(self, pids: torch.Tensor, table: torch.Tensor, found: torch.Tensor, scratch) -> None:
         """Add one to the parameters ``pids`` (device indices) whose row of ``table`` is active, unless
         ``found`` (the update's skip flag) is set: on the side stream, after the update read the table."""
-        add = table[:, 0].index_select(0, pids).mul_(found == 0)  # column 0 is 1.0 where active, else 0.0
-        self.counts.index_add_(0, pids, add.to(torch.int64))
+        n = pids.shape[0]
+        add = torch.index_select(table[:, 0], 0, pids, out=scratch.take("active", (n,), table.dtype))
+        add.mul_(torch.eq(found, 0, out=scratch.take("counts", found.shape, torch.bool)))  # column 0: 1.0 where active
+        self.counts.index_add_(0, pids, scratch.take("add", (n,), torch.int64).copy_(add))
         self._host = None
 
     def host(self) -> np.ndarray:

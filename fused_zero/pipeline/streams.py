@@ -68,6 +68,25 @@ class CudaStreams:
         it (the checkpoint server's thread, never the training thread)."""
         return t.to("cpu")
 
+    def graph(self) -> CudaGraph:
+        return CudaGraph()
+
+
+class CudaGraph:
+    """One CUDA graph: ``capture(stream)`` records what is queued on ``stream`` (and on the streams that
+    fork from it and join it again: NCCL's) without running it; ``replay()`` runs it on the current
+    stream. Captured in ``thread_local`` mode, so that the checkpoint server's thread may go on making
+    its own CUDA calls meanwhile (``global`` mode would fail them)."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, stream):
+        return torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local")
+
+    def replay(self) -> None:
+        self.graph.replay()
+
 
 def device_streams(device: torch.device) -> CudaStreams | None:
     """The stream calls for ``device``: CUDA's, or None where work runs inline (the CPU)."""
@@ -122,17 +141,18 @@ class SideStream:
             self.api.current().wait_stream(self.stream)
             self.relay.wait_stream(self.stream)  # what the relay allocated may go once the side read it
 
-    def upload(self, table: torch.Tensor, relay: bool = False) -> torch.Tensor:
+    def upload(self, table: torch.Tensor, relay: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """A host table on the update's device, copied on the side stream (which reads it first).
 
         The copy goes through a persistent pinned buffer (``_PinnedRing``), not a new pinned
         allocation per call; the device copy is new each time, since an earlier table may still be
-        read by kernels queued after this copy."""
+        read by kernels queued after this copy, unless ``out`` is given (a tensor of the side stream's
+        own, pipeline/scratch.py: what a CUDA graph reads every replay)."""
         if self.stream is None:
-            return table
+            return table if out is None else out.copy_(table)
         with self.run(follow_current=False, relay=relay):
             host, copied = self._staging.take(table)
-            out = self.api.to_device(host)
+            out = self.api.to_device(host) if out is None else out.copy_(host, non_blocking=True)
             copied.record(self.relay if relay else self.stream)
         return out
 

@@ -19,6 +19,8 @@ from . import collectives
 from .profiling import range_push
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
+from .step_graph import identity
+from .tables import CoefficientTables
 from .topology import post_update_groups
 from .whole_matrix import WholeMatrix
 
@@ -43,6 +45,13 @@ class Unit:
     parts: list
     shards: list
 
+    def graph_identity(self) -> tuple:
+        """What a CUDA graph of this launch fixes (step_graph.py): the row tables by object (the
+        launch's or the part's own, kept while the layout stays), the buffers by address."""
+        grad = getattr(self.grad, "buffers", self.grad)  # the torch backend's BucketGrads: its buffers
+        return (self.member, id(self.rows), id(self.segments), id(self.blocks), id(self.norm_rows),
+                id(self.norm_segments), identity((self.table, grad, self.param, self.state, self.scales)))
+
 
 class Updates:
     """Runs the updates of ready buckets for the engine (``finish``) and starts their all-gathers."""
@@ -55,9 +64,9 @@ class Updates:
         topo = engine.topology
         self.gather_group, self.check_group = post_update_groups(topo) \
             if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
-        self._groups: dict[int, torch.Tensor] = {}
         self._pids_kept: dict[int, tuple] = {}  # member -> (shards, their pids on the device)
         self._whole_matrix: dict[int, WholeMatrix] = {}  # phased members' steps (whole_matrix.py)
+        self.tables = CoefficientTables(engine)
 
     def _whole(self, member) -> WholeMatrix:
         if member.index not in self._whole_matrix:
@@ -89,65 +98,44 @@ class Updates:
             for item in todo:
                 for w in item.works:
                     w.wait()
+            if self.engine.graph is not None and it.grad_scale is not None:  # GradScaler hands a new tensor
+                # each step (its scale times 1): the graph reads a copy of its own
+                kept = self.engine.scratch.take("grad_scale", it.grad_scale.shape, it.grad_scale.dtype)
+                it.grad_scale = kept.copy_(it.grad_scale)
             for group in ([item] for item in todo) if each_bucket else [todo]:
                 self._update(it, group, max_norm)
 
-    def _coefficient_table(self, member: int, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
-        """One member's update scalars for this step, one row per parameter of the engine (the other
-        members' rows inactive), on the update's device: the host's columns uploaded, the step counts'
-        written there (update/step_columns.py)."""
-        e = self.engine
-        m = e.members[member]
-        group_idx = e.group_index(member)
-        host = m.algo.coefficients(hparams, group_idx, active * (e.member_of == member), e.reduction.grad_div)
-        table = self.side.upload(host)
-        with self.side.run(follow_current=False):
-            m.algo.fill_steps(table, hparams, group_idx, e.step_counts, self._device_groups(member),
-                              e.options.seed if e.options.stochastic_rounding else None, self.side.upload)
-        return table
-
-    def _device_groups(self, member: int) -> torch.Tensor:
-        """Each parameter's param group in ``member``, int64 on the device (uploaded once)."""
-        if member not in self._groups:
-            groups = np.asarray(self.engine.group_index(member), dtype=np.int64)
-            self._groups[member] = self.side.upload(torch.from_numpy(groups))
-        return self._groups[member]
-
-    def _tables(self, it, active: np.ndarray) -> list[torch.Tensor]:
-        return [self._coefficient_table(m.index, it.hparams[m.index], active) for m in self.engine.members]
-
-    def _coefs_for(self, it, shard: BucketShard, active: np.ndarray | UsedFlags) -> list[torch.Tensor]:
-        """The tables (one per member) a bucket's update reads: the iteration's shared ones (every row
-        active), with this bucket's rows of column 0 set from all-reduced flags on the device, or tables
-        of its own where the host knows that some parameter of the bucket got no gradient."""
-        n = len(self.engine.params)
-        if it.coefs is None:  # the iteration's first tables, before any of its updates
-            self.engine.step_counts.begin_iteration()
-            it.coefs = self._tables(it, np.ones(n))
-        if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
-            pids, used = active.table[0], active.table[1]
-            for table in it.coefs:  # another member's rows are read by no launch of this member
-                table[:, 0].index_copy_(0, pids, (used > 0).to(table.dtype))
-            return it.coefs
-        if active.all():
-            return it.coefs
-        mask = np.ones(n)
-        mask[shard.pids] = active
-        return self._tables(it, mask)
-
     def _update(self, it, items: list[Reduced], max_norm: float | None = None) -> None:
         """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
-        is written, on every rank, and their step counts stay)."""
+        is written, on every rank, and their step counts stay). The host's part first (tables
+        uploaded, launches planned, earlier gathers waited for), then the device work: queued as it
+        goes, or, with ``capturable=True``, captured once in a CUDA graph and replayed (step_graph.py)."""
         e = self.engine
-        coefs = [self._coefs_for(it, item.shard, item.active) for item in items]
+        coefs = [self.tables.for_bucket(it, item.shard, item.active) for item in items]
         counted = self._counted(items, coefs)  # uploads first, before this call's kernels are queued
         units = self._launch_units(it, items, coefs)
         for item in items:
             item.shard.wait_gather()
+        if e.graph is None:
+            self._device_work(it, items, coefs, counted, units, max_norm)
+            return
+        e.graph.run((it.found_inf, it.grad_scale, it.edited, max_norm, self.tables.pending, counted, units),
+                    lambda: self._device_work(it, items, coefs, counted, units, max_norm, joined=True))
+        self.tables.pending = []
+        for item in items:
+            item.shard.reduced_buffer = None
+
+    def _device_work(self, it, items: list[Reduced], coefs: list, counted: list, units: list[Unit],
+                     max_norm: float | None, joined: bool = False) -> None:
+        """Everything ``_update`` queues on the device: step columns, checks, updates, counts, gathers. It
+        reads device memory only (a CUDA graph can hold it). ``joined``: the side stream waits for the
+        gathers too (a graph must join the streams it forks)."""
+        e = self.engine
+        self.tables.fill_steps()
         found, clip = self._check(it, units, max_norm)
         torch.maximum(it.found_inf, found, out=it.found_inf)
-        for pids, table in counted:  # on the side stream: the next table reads the counts there
-            e.step_counts.count(pids, table, found)
+        for j, (pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
+            e.step_counts.count(pids, table, found, e.scratch.under("count", j))
         args = dict(grad_scale=it.grad_scale, found_inf=found, clip_coef=clip,
                     stochastic=e.options.stochastic_rounding)
         for member in e.members:  # what updates in phases with collectives between (Muon), first, on every
@@ -163,6 +151,9 @@ class Updates:
                         unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks, **args))
             gathers(j)
         gathers(len(units))
+        if joined:
+            for item in items:
+                item.shard.wait_gather()
 
     def _gathers(self, items: list[Reduced], units: list[Unit]):
         """``ready(j)``: start, in bucket order, the all-gather of each bucket whose last launch is among
@@ -240,7 +231,7 @@ class Updates:
         mask = np.ones(len(self.engine.params))
         for item in items:
             mask[item.shard.pids] = item.active
-        return self._tables(it, mask)
+        return self.tables.build(it, mask)
 
     def _check(self, it, units: list[Unit], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the
@@ -248,21 +239,27 @@ class Updates:
         one collective. Returns the skip flag and, with ``max_norm``, the clip coefficient (device
         tensors: no host sync)."""
         e = self.engine
-        stats = torch.zeros(3, dtype=torch.float32, device=e.device)
-        for unit in units:
+        scratch = e.scratch.under("check")
+        stats = scratch.take("stats", (3,), torch.float32).zero_()
+        for j, unit in enumerate(units):
             if not unit.norm_rows:
                 continue
-            sumsq, bad = grad_sumsq(e.backend, unit.norm_rows, unit.norm_segments, unit.table, unit.grad,
-                                    it.grad_scale)
-            stats[0] += sumsq
-            stats[1] += bad
-        stats[2] = float(it.edited)
+            segments = unit.norm_segments  # the Triton kernel's per-row sums: kept too
+            partials = scratch.take(("rows", j), (max(segments.n_rows, 1), 2), torch.float32) \
+                if segments is not None else None
+            norm = scratch.take(("norm", j), (2,), torch.float32)
+            grad_sumsq(e.backend, unit.norm_rows, segments, unit.table, unit.grad, it.grad_scale, out=norm,
+                       partials=partials)
+            stats[:2] += norm
+        stats[2:].fill_(float(it.edited))
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
             collectives.all_reduce(stats, self.check_group).wait()
         e.grad_sumsq = stats[0]
-        found = (stats[1:] > 0).any().to(torch.float32).reshape(1)
+        # any non-finite count or edit flag (non-negative whole numbers): 1.0, else 0.0
+        found = torch.amax(stats[1:], 0, keepdim=True, out=scratch.take("found", (1,), torch.float32)).clamp_(max=1.0)
         it.edited = it.edited if self.side.asynchronous else bool(stats[2] > 0)  # a host value on the CPU
-        clip = clip_coefficient(stats[0], max_norm) if max_norm is not None else None
+        clip = clip_coefficient(stats[0], max_norm, scratch.take("clip", (1,), torch.float32)) \
+            if max_norm is not None else None
         return found, clip
 
     def _start_gather(self, shard: BucketShard) -> None:

@@ -39,9 +39,10 @@ import torch.distributed as dist
 from .. import kernels
 from ..pipeline import collectives, streams, updates, warmup
 from ..update.algorithms import Algorithm
-from . import backends
+from . import backends, standins
 from .clocks import Clocks, Hazard
-from .device import ModeledEvent, ModeledStreams, ModeledWork, finished_serving
+from .device import ModeledEvent, ModeledStreams, finished_serving
+from .graphs import Capture
 from .memory import Memory
 from .trace import DispatchCalls, function_patches
 
@@ -82,6 +83,8 @@ class StreamChecker:
         self.phase = ""
         self._patches: list[tuple[object, str, object]] = []
         self._modes = (DispatchCalls(self),)
+        self.capture: Capture | None = None  # a CUDA graph's capture in progress (graphs.py)
+        self.captures: list[Capture] = []  # every capture made, with its problems
 
     @property
     def current(self) -> int | None:
@@ -93,6 +96,13 @@ class StreamChecker:
 
     def in_training_thread(self) -> bool:
         return threading.get_ident() == self._thread
+
+    def capturing(self) -> Capture | None:
+        """The capture the calling code queues into: the training thread's, outside the stand-ins' own
+        operations (the checkpoint server's thread is not captured: thread-local capture mode)."""
+        if self.capture is None or not self.in_training_thread() or self.is_paused():
+            return None
+        return self.capture
 
     def pending_event(self, why: str) -> ModeledEvent:  # one that cannot complete before ``why`` is answered
         return ModeledEvent(self, pending=why)
@@ -123,7 +133,7 @@ class StreamChecker:
         for name, reads, writes in (("all_reduce", (0,), (0,)), ("reduce_scatter", (1,), (0,)),
                                     ("all_gather", (1,), (0,)), ("all_to_all_single", (1,), (0,)),
                                     ("gather", (0,), (1,)), ("broadcast", (0,), (0,))):
-            self._patch(collectives, name, self._collective(getattr(collectives, name), reads, writes))
+            self._patch(collectives, name, standins.collective(self, getattr(collectives, name), reads, writes))
         # the code's own backend choices, from what the process groups report on the GPU machine
         for owner, name, value in backends.patches(*backends.modeled_reports(self.backend)):
             self._patch(owner, name, value)
@@ -137,9 +147,9 @@ class StreamChecker:
         self._patch(torch, "from_numpy", host_from_numpy)
         for owner, name, value in function_patches(self):
             self._patch(owner, name, value)
-        self._patch(Algorithm, "update", self._launch_update(Algorithm.update))
+        self._patch(Algorithm, "update", standins.launch_update(self, Algorithm.update))
         for caller in (updates, warmup):  # the norm pass, by the name its callers call it
-            self._patch(caller, "grad_sumsq", self._launch_norm(caller.grad_sumsq))
+            self._patch(caller, "grad_sumsq", standins.launch_norm(self, caller.grad_sumsq))
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -196,6 +206,10 @@ class StreamChecker:
                 sid = self.host
             else:
                 sid = self.host if all(st is not None and st.host for *_, st in entries) else self.current
+        capture = self.capturing()
+        if capture is not None:  # nothing runs at a capture: the replay is the graph's one operation
+            capture.queued(sid, op, [t for t, w in spans if not w], [t for t, w in spans if w])
+            return
         on_device = sid != self.host
         if not on_device and not self.in_training_thread():  # the server's host work: before its next
             sid = self.current  # stream operations, yet still host work (pageable memory is fine there)
@@ -219,10 +233,14 @@ class StreamChecker:
                 finished_serving(self, self.current)
             return
         self.log_sync(what)
-        self.clocks.host_sync(self.clocks.snapshot(self.current))
+        if self.capturing() is None:
+            self.clocks.host_sync(self.clocks.snapshot(self.current))
 
     def log_sync(self, what: str) -> None:
         self.syncs.append((what, self.where(), self.phase, _ours(sys._getframe(1))))
+        capture = self.capturing()
+        if capture is not None:
+            capture.problem("host synchronization", what)
 
     def where(self) -> str:
         """The innermost frame outside torch and this checker: the line that queued the operation."""
@@ -245,54 +263,6 @@ class StreamChecker:
         if sid is None:
             sid = self.comm[id(group)] = self.clocks.stream(f"communication stream {len(self.comm)}")
         return sid
-
-    def _collective(self, real, read_args: tuple[int, ...], write_args: tuple[int, ...]):
-        """A collective as NCCL orders it: queued on the group's stream after the issuing stream; the
-        Work orders its waiter after it."""
-        def modeled(*args, **kwargs):
-            reads = [args[i] for i in read_args if isinstance(args[i], torch.Tensor)]
-            writes = [t for i in write_args for t in (args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
-                      if isinstance(t, torch.Tensor)]
-            sid = self._comm_stream(_group_of(args, kwargs))
-            self.clocks.merge(sid, self.clocks.snapshot(self.current))
-            self.record(f"collectives.{real.__name__}", reads=reads, writes=writes, sid=sid)
-            takes_async = real in _ASYNC_BY_DEFAULT
-            with self.paused():
-                work = real(*args, **{**kwargs, "async_op": True}) if takes_async else real(*args, **kwargs)
-            modeled_work = ModeledWork(self, work if takes_async else None, self.clocks.snapshot(sid), writes)
-            if not (takes_async and kwargs.get("async_op", True)):
-                modeled_work.wait()
-            return modeled_work
-        return modeled
-
-    def _launch_update(self, real):
-        checker = self
-
-        def update(algo, backend, rows, segments, coefs, args):
-            reads = [coefs] + ([segments.rows] if segments is not None else []) + \
-                [t for t in (args.grad_scale, args.found_inf, args.clip_coef) if t is not None]
-            reads += [args.grad[go:go + n] for _, n, _, go, *_ in rows]
-            writes = [args.param[po:po + n] for _, n, po, *_ in rows]
-            writes += [t[so:so + n] for t in args.state.values() for so, n, *_ in rows]
-            writes += list((args.scales or {}).values())  # one per row of the launch: whole tensors
-            checker.record("update kernel", reads=reads + writes, writes=writes)
-            with checker.paused():
-                return real(algo, backend, rows, segments, coefs, args)
-        return update
-
-    def _launch_norm(self, real):
-        checker = self
-
-        def grad_sumsq(backend, rows, segments, coefs, grad, grad_scale=None):
-            reads = [coefs] + ([segments.rows] if segments is not None else []) + \
-                ([grad_scale] if grad_scale is not None else []) + [grad[go:go + n] for _, n, _, go, *_ in rows]
-            with checker.paused():
-                out = real(backend, rows, segments, coefs, grad, grad_scale)
-            for t in out:
-                checker.memory.register(t, fresh=True)
-            checker.record("norm kernel", reads=reads, writes=list(out))
-            return out
-        return grad_sumsq
 
 
 def _ours(frame) -> bool:
@@ -323,19 +293,6 @@ def _shown(path: str) -> str:
         shown = path
     _SHOWN[path] = shown
     return shown
-
-_ASYNC_BY_DEFAULT = {collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather}
-"""Collectives taking ``async_op`` (the others block their caller: modeled as a wait at once)."""
-
-
-def _group_of(args, kwargs):
-    if "group" in kwargs:
-        return kwargs["group"]
-    for a in reversed(args):
-        if a is None or isinstance(a, dist.ProcessGroup):
-            return a
-    return None
-
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     size = t.element_size()

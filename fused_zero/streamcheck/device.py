@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from .clocks import Access, Hazard
+from .graphs import ModeledGraph
 from .trace import DispatchCalls
 
 
@@ -25,10 +26,19 @@ class ModeledStream:
         self.checker, self.sid = checker, sid
 
     def wait_stream(self, other: ModeledStream) -> None:
+        capture = self.checker.capturing()
+        if capture is not None:
+            capture.wait(self.sid, capture.snapshot(other.sid), f"the {self.checker.clocks.names[other.sid]}'s work")
+            return
         clocks = self.checker.clocks
         clocks.merge(self.sid, clocks.snapshot(other.sid))
 
     def wait_event(self, event: ModeledEvent) -> None:
+        capture = self.checker.capturing()
+        if capture is not None:
+            vc = event.captured[1] if event.captured is not None and event.captured[0] is capture else None
+            capture.wait(self.sid, vc, "an event")
+            return
         if event.pending:
             _deadlock(self.checker, f"{self!r} waits for {event.pending}")
         if event.vc is not None:
@@ -48,9 +58,14 @@ class ModeledEvent:
         self.checker = checker
         self.vc: dict[int, int] | None = {} if pending else None
         self.pending = pending  # why it cannot complete yet (StreamChecker.pending_event), or ""
+        self.captured = None  # (capture, its clock) where recorded inside a graph's capture (graphs.py)
 
     def record(self, stream: ModeledStream | None = None) -> None:
         sid = stream.sid if stream is not None else self.checker.current
+        capture = self.checker.capturing()
+        if capture is not None:
+            self.captured = (capture, capture.snapshot(sid))
+            return
         self.vc = self.checker.clocks.snapshot(sid)
 
     def query(self) -> bool:
@@ -120,6 +135,9 @@ class ModeledStreams:
     def event(self) -> ModeledEvent:
         return ModeledEvent(self.checker)
 
+    def graph(self) -> ModeledGraph:
+        return ModeledGraph(self.checker)
+
     def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         with self.checker.paused():
             t = torch.empty(shape, dtype=dtype)
@@ -132,6 +150,9 @@ class ModeledStreams:
         with checker.paused():
             out = torch.empty_like(host)
             out.copy_(host)
+        capture = checker.capturing()
+        if capture is not None:  # the graph's copy reads the pinned buffer as it is at each replay
+            capture.operations.append(lambda: out.copy_(host))
         checker.memory.register(out, host=False, name=f"upload {tuple(out.shape)}", fresh=True)
         checker.record("copy host->device (non_blocking)", reads=[host], writes=[out])
         return out
@@ -155,20 +176,30 @@ class ModeledStreams:
         checker = self.checker
         with checker.paused():
             out.copy_(t)
+        capture = checker.capturing()
+        if capture is not None:
+            capture.operations.append(lambda: out.copy_(t))
         checker.record("copy device->host (non_blocking)", reads=[t], writes=[out], sid=checker.current)
 
 
 class ModeledWork:
     """A real gloo Work, with NCCL's ordering: see the module docstring."""
 
-    def __init__(self, checker, work, vc: dict[int, int], outputs: list[torch.Tensor]):
+    def __init__(self, checker, work, vc: dict[int, int], outputs: list[torch.Tensor],
+                 captured: dict[int, int] | None = None):
         self.checker, self.work, self.vc, self.outputs = checker, work, vc, outputs
+        self.captured = captured  # its stream's clock in the capture it was issued in (graphs.py), or None
+        self.capture = checker.capturing()
 
     def wait(self, timeout=None) -> bool:
         checker = self.checker
         if self.work is not None:
             with checker.paused():  # gloo's own copies when it finishes (its output) are not ours
                 self.work.wait()
+        capture = checker.capturing()
+        if capture is not None:
+            capture.wait(checker.current, self.captured if self.capture is capture else None, "a collective")
+            return True
         with checker.lock:  # every rank joined it: the requesters this rank served had been served
             checker.clocks.merge(checker.current, self.vc)
             checker.clocks.merge(checker.current, checker.served)

@@ -51,6 +51,9 @@ class Memory:
                     return known
             if key in checker.clocks.storages:  # a freed storage's memory, reused before its callback ran
                 self._freed(key)
+            capture = checker.capturing()
+            if fresh and capture is not None:
+                capture.problem("allocation", f"{name or t.dtype} of {storage.nbytes()} B made inside the capture")
             sid = checker.host if host or checker.current is None else checker.current
             label = name or f"{'host' if host else 'device'} {t.dtype} storage of {storage.nbytes()} B"
             label = f"{label} (made at {checker.where()}{f', from {origin}' if origin else ''})"

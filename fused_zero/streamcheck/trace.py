@@ -15,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .graphs import replayed
+
 _HOST_FACTORIES = ("tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "randn", "rand",
                    "randint", "randperm")
 _METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
@@ -78,6 +80,9 @@ def _factory(checker, real):
         with checker.paused():
             out = real(*args, **kwargs)
         made = _tensors(out)
+        capture = checker.capturing()
+        if capture is not None:
+            capture.operations.append(replayed(real, args, kwargs, out))
         kind = "pinned" if pinned else "host" if host else "device"
         for t in made:
             checker.memory.register(t, host=host, name=f"{kind} {real.__name__} {tuple(t.shape)}", pinned=pinned,
@@ -108,6 +113,9 @@ def _to(checker, real):
                 # a copy in device memory, as on a GPU (on the CPU ``to`` hands back the host tensor itself)
                 with checker.paused():
                     out = real(self, *args, **{**kwargs, "copy": True})
+                capture = checker.capturing()
+                if capture is not None:
+                    capture.operations.append(replayed(real, (self, *args), {**kwargs, "copy": True}, out))
                 checker.memory.register(out, name=f"device copy {tuple(out.shape)}", fresh=True)
                 checker.record("tensor.to(device)", reads=[self], writes=[out], transfer=True)
                 return out
@@ -134,6 +142,9 @@ class DispatchCalls(TorchDispatchMode):
         checker = self.checker
         if checker.is_paused():
             return out
+        capture = checker.capturing()
+        if capture is not None:  # what a replay runs again (graphs.py)
+            capture.operations.append(replayed(func, args, kwargs, out))
         sig = _SIGNATURES.get(func) or _signature(func)
         memory = checker.memory
         if sig.lifts:  # Python data (an index list, a number) made a tensor

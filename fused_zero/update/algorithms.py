@@ -37,7 +37,9 @@ class Algorithm:
 
     A coefficient table is made in two halves: ``coefficients`` on the host, from the param groups
     (what the host knows without the device: the step-dependent columns hold placeholders), then
-    ``fill_steps`` on the device, from the step counts kept there (step_columns.py)."""
+    ``fill_steps`` on the device, from the step counts kept there and the ``step_inputs`` uploaded
+    before (step_columns.py). The fill reads device memory only, so a CUDA graph can hold it
+    (pipeline/step_graph.py)."""
 
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
     phased = False  # updates in phases with collectives between (Muon: pipeline/whole_matrix.py)
@@ -59,14 +61,20 @@ class Algorithm:
     def state_names(self) -> list[str]:
         raise NotImplementedError
 
-    def fill_steps(self, table: torch.Tensor, groups: list[dict], group_idx: np.ndarray, counts,
-                   group: torch.Tensor, sr_seed: int | None, upload) -> None:
+    def step_inputs(self, groups: list[dict], group_idx: np.ndarray, bound: int, group: torch.Tensor, upload,
+                    scratch) -> tuple:
+        """What the step columns read besides the counts, on the device: uploaded now (``upload(host,
+        out=)``, pipeline/streams.py), from each parameter's param group (``group_idx`` on the host,
+        ``group`` on the device) and the counts' host ``bound``; ``scratch`` holds what is uploaded
+        every step (pipeline/scratch.py)."""
+        return ()
+
+    def fill_steps(self, table: torch.Tensor, inputs: tuple, counts, sr_seed: int | None, scratch) -> None:
         """Write ``table``'s step-dependent columns on the device (queued where the caller is: the side
-        stream), from ``counts`` (pipeline.step_counts.StepCounts) and each parameter's param group
-        (``group_idx`` on the host, ``group`` on the device); ``sr_seed``: stochastic rounding's seed, or
-        None without it."""
-        after = counts.after()
-        self._fill(table, groups, group_idx, after, group, counts.bound, upload)
+        stream), from ``counts`` (pipeline.step_counts.StepCounts) and ``inputs`` (``step_inputs``);
+        ``sr_seed``: stochastic rounding's seed, or None without it."""
+        after = counts.after(scratch)
+        self._fill(table, inputs, after, scratch)
         if sr_seed is not None:
             step_columns.fill_sr_keys(table, after, sr_seed)
 
@@ -85,12 +93,18 @@ class Algorithm:
 
 
 def grad_sumsq(backend: str, rows: list, segments, coefs: torch.Tensor, grad: torch.Tensor,
-               grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               grad_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of squares and the non-finite count of the rows' gradients (the columns ``active`` and
-    ``grad_div`` of any algorithm's table), on either implementation."""
+    ``grad_div`` of any algorithm's table), on either implementation; written into ``out`` (float32
+    ``[2]``) where given (``partials``: the Triton kernel's per-row buffer, see kernels.grad_sumsq)."""
     if backend == "triton":
-        return triton_grad_sumsq(segments, coefs, grad=grad, grad_scale=grad_scale)
-    return torch_ops.grad_sumsq(rows, coefs, grad, grad_scale)
+        return triton_grad_sumsq(segments, coefs, grad=grad, grad_scale=grad_scale, out=out, partials=partials)
+    sumsq, bad = torch_ops.grad_sumsq(rows, coefs, grad, grad_scale)
+    if out is None:
+        return sumsq, bad
+    out[0], out[1] = sumsq, bad
+    return out[0], out[1]
 
 
 def _check_nonneg(group: dict, i: int, key: str) -> None:
@@ -129,9 +143,14 @@ class AdamFamily(Algorithm):
             decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
             grad_div=grad_div, active=active)
 
-    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
-        neg_lr = upload(torch.from_numpy(-_per_param(groups, group_idx)(lambda g: g["lr"])))
-        step_columns.fill_adam(table, after, neg_lr, self._bias.get(groups, bound, group, upload))
+    def step_inputs(self, groups, group_idx, bound, group, upload, scratch) -> tuple:
+        neg_lr = -_per_param(groups, group_idx)(lambda g: g["lr"])
+        bias = self._bias.get(groups, bound, group, upload)
+        return (upload(torch.from_numpy(neg_lr), out=scratch.take("neg_lr", neg_lr.shape, torch.float64)),
+                bias.both, bias.base, bias.length)
+
+    def _fill(self, table, inputs, after, scratch) -> None:
+        step_columns.fill_adam(table, after, *inputs, scratch)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         adam_step(segments, coefs, grad=a.grad, param=a.param, exp_avg=a.state["exp_avg"],
@@ -165,8 +184,8 @@ class SGDAlgorithm(Algorithm):
                                 weight_decay=pick(lambda g: g["weight_decay"]), first=True, grad_div=grad_div,
                                 active=active)
 
-    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
-        step_columns.fill_sgd(table, after)
+    def _fill(self, table, inputs, after, scratch) -> None:
+        step_columns.fill_sgd(table, after, scratch)
 
     def _launch(self, segments, coefs, a: UpdateArgs) -> None:
         sgd_step(segments, coefs, grad=a.grad, param=a.param, momentum_buffer=a.state.get("momentum_buffer"),
@@ -182,10 +201,12 @@ def _per_param(groups: list[dict], group_idx: np.ndarray):
     return pick
 
 
-def clip_coefficient(total_sumsq: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s factor, on the device: min(1, max_norm / (norm + 1e-6))."""
-    norm = total_sumsq.sqrt()
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(1)
+def clip_coefficient(total_sumsq: torch.Tensor, max_norm: float, out: torch.Tensor) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor, on the device, into ``out`` (float32 ``[1]``):
+    min(1, max_norm / (norm + 1e-6)), in torch's operations (``max_norm / x`` is ``x.reciprocal() *
+    max_norm``, Tensor.__rdiv__), in place."""
+    torch.sqrt(total_sumsq.reshape(1), out=out)
+    return out.add_(1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
 __all__ = ["AdamFamily", "SGDAlgorithm", "UpdateArgs", "clip_coefficient", "grad_sumsq"]

@@ -77,8 +77,8 @@ class MuonAlgorithm(Algorithm):
                                 dampening=np.zeros(len(group_idx)), weight_decay=pick(lambda g: g["weight_decay"]),
                                 first=True, grad_div=grad_div, active=active)
 
-    def _fill(self, table, groups, group_idx, after, group, bound, upload) -> None:
-        step_columns.fill_sgd(table, after)
+    def _fill(self, table, inputs, after, scratch) -> None:
+        step_columns.fill_sgd(table, after, scratch)
 
     def compile(self, backend, rows, segments, coefs, args) -> None:
         """Nothing to compile: the phases are torch ops."""

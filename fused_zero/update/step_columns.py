@@ -70,20 +70,27 @@ class BiasTables:
         return self
 
 
-def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, bias: BiasTables) -> None:
+def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, both: torch.Tensor, base: torch.Tensor,
+              length: int, scratch) -> None:
     """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``neg_lr``: ``-lr`` per parameter,
-    float64: ``-lr / bc1`` is ``-(lr / bc1)`` in IEEE arithmetic); the copies into the float32 columns
-    round to nearest, as numpy's ``astype`` did."""
-    both = bias.both.index_select(0, after.clamp(max=bias.length).add_(bias.base))
-    table[:, ADAM_COEFS.index("neg_step_size")] = neg_lr / both[:, 0]
+    float64: ``-lr / bc1`` is ``-(lr / bc1)`` in IEEE arithmetic; ``both``, ``base``, ``length``: a
+    BiasTables'); the copies into the float32 columns round to nearest, as numpy's ``astype`` did.
+    Intermediates in ``scratch`` (pipeline/scratch.py)."""
+    n = after.shape[0]
+    at = torch.clamp(after, max=length, out=scratch.take("bias_at", (n,), torch.int64)).add_(base)
+    both = torch.index_select(both, 0, at, out=scratch.take("bias", (n, 2), torch.float64))
+    table[:, ADAM_COEFS.index("neg_step_size")] = torch.div(
+        neg_lr, both[:, 0], out=scratch.take("neg_step", (n,), torch.float64))
     table[:, ADAM_COEFS.index("bc2_sqrt")] = both[:, 1]
 
 
-def fill_sgd(table: torch.Tensor, after: torch.Tensor) -> None:
+def fill_sgd(table: torch.Tensor, after: torch.Tensor, scratch) -> None:
     """Column ``first`` of an SGD table: torch makes the momentum buffer from the gradient on a
     parameter's first step; a group without momentum "makes" it every step (plain SGD)."""
-    no_momentum = table[:, SGD_COEFS.index("momentum")] == 0
-    table[:, SGD_COEFS.index("first")] = ((after <= 1) | no_momentum).to(torch.float32)
+    n = after.shape[0]
+    first = torch.le(after, 1, out=scratch.take("first", (n,), torch.bool))
+    no_momentum = torch.eq(table[:, SGD_COEFS.index("momentum")], 0, out=scratch.take("plain", (n,), torch.bool))
+    table[:, SGD_COEFS.index("first")] = first.logical_or_(no_momentum)
 
 
 def fill_sr_keys(table: torch.Tensor, after: torch.Tensor, seed: int) -> None:

@@ -616,6 +616,55 @@ def case_rank0_state_dict():
         raise Skip(outs[0])
 
 
+def _capture(rank, world, steps=14):
+    """``capturable=True`` (step() replayed from a CUDA graph) against the same engine stepping eagerly,
+    on the same weights and batches, with an lr changed every step by a scheduler and clipping: every
+    parameter bit for bit after every step (the graph runs the same kernels on the same values), and
+    the graph captured and replayed. Then against torch.optim.AdamW within the engine's tolerance."""
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    device = torch.device("cuda", 0)
+    model, twin = _twin_models(device)
+    _, ref = _twin_models(device)
+    ddps = [DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, twin)]
+    opts = [fused_zero.AdamW(d.parameters(), lr=1e-2, weight_decay=0.1, ddp=d, overlap="step", max_grad_norm=0.5,
+                             capturable=c) for d, c in zip(ddps, (True, False))]
+    ref_ddp = DDP(ref, bucket_cap_mb=0.0001, device_ids=[0])
+    ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (*opts, ref_opt)]
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        for d, o in (*zip(ddps, opts), (ref_ddp, ref_opt)):
+            F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            if o is ref_opt:
+                torch.nn.utils.clip_grad_norm_(ref_ddp.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+        for s in schedules:
+            s.step()
+        opts[0].synchronize()
+        opts[1].synchronize()
+        for (name, p), q, r in zip(model.named_parameters(), twin.parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"step {step} {name}: the replayed step differs from the eager one"
+            measure("capture", f"step {step} {name}", p, r)
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=f"step {step} {name}": f"{n}: {m}")
+    graph = opts[0]._engine.graph
+    assert graph.captures >= 1 and graph.replays >= steps - 6, (graph.captures, graph.replays)
+    print(f"captures {graph.captures}, replays {graph.replays} of {steps} steps")
+    for o in opts:
+        o._engine.close()
+
+
+def case_capture():
+    from fused_zero.demo.spawn import run_ranks
+
+    run_ranks(_capture, 1, backend="nccl", timeout=300)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

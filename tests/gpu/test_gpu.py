@@ -56,6 +56,10 @@ def test_step_path_never_syncs_the_host():
     run_case("no_host_sync")
 
 
+def test_step_replayed_from_a_cuda_graph():
+    run_case("capture")
+
+
 def test_two_gloo_ranks_on_one_gpu():
     run_case("two_ranks_one_gpu")
 

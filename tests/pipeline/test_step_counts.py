@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from fused_zero.kernels import adam_coefficients, sgd_coefficients, sr_key
+from fused_zero.pipeline.scratch import Scratch
 from fused_zero.update.algorithms import AdamFamily, SGDAlgorithm
 from fused_zero.update.step_columns import saturation
 
@@ -18,7 +19,7 @@ class _Counts:
         self.counts = torch.tensor(counts, dtype=torch.int64)
         self.bound = int(self.counts.max()) + 1
 
-    def after(self):
+    def after(self, scratch):
         return self.counts + 1
 
 
@@ -33,7 +34,10 @@ COUNTS = [0, 1, 2, 31, 32, 33, 64, 355, 356, 357, 1852, 1853, 37411, 37412, 3741
 
 def _table(algo, groups, group_of, counts, seed=None):
     table = algo.coefficients(groups, group_of, np.ones(len(counts)), 1.0).clone()
-    algo.fill_steps(table, groups, group_of, _Counts(counts), torch.from_numpy(group_of), seed, lambda t: t)
+    counts, scratch = _Counts(counts), Scratch(torch.device("cpu"))
+    inputs = algo.step_inputs(groups, group_of, counts.bound, torch.from_numpy(group_of),
+                              lambda t, out=None: t if out is None else out.copy_(t), scratch)
+    algo.fill_steps(table, inputs, counts, seed, scratch)
     return table
 
 

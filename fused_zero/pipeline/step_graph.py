@@ -1,0 +1,108 @@
+"""``capturable=True``: ``step()``'s device work captured once in a CUDA graph, then replayed.
+
+With ``overlap="step"`` the updates run in ``step()``. What the host does there per step is mostly
+launching: the step columns, the non-finite / norm check and its all-reduce, the counts, one update
+per dtype and format, one all-gather per bucket. A CUDA graph replays all of it in one launch.
+
+What stays on the host, every step (``Updates._update``): the waits for the reductions and the previous
+gathers (a capture may not wait for work queued outside it), the coefficient tables' host columns and
+``-lr`` copied into tensors kept across steps (Scratch, ``kept=True``), so that a scheduler's lr, or any
+param-group value, takes effect on the next replay with no recapture, the counts' host bound, and,
+after the replay, the skip count and the GradScaler's flags.
+
+What the graph holds: everything ``Updates._device_work`` queues. It reads device memory only, writes
+only tensors that outlive it, makes no host synchronization and allocates nothing (the stream-order
+checker's capture model, streamcheck/graphs.py, reports any of these on the CPU). Its gathers are
+joined inside it: the forward then waits for the side stream, not for each bucket.
+
+When: the device work of a step is described by its *key*: every tensor it reads or writes (address,
+shape, dtype), every Python value it bakes into a launch (``max_norm``, an edit's flag), every layout
+object. A step whose key is the graph's replays it. Otherwise the step runs eagerly, and the next step
+with the same key captures (the eager run made every kept tensor, so the capture allocates nothing).
+Keys change with DDP's bucket rebuild, the arenas' packing, a bias table's growth and a GradScaler
+stepped without ``unscale_`` after steps with it: a few captures per run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .profiling import range_push
+
+
+def identity(x) -> object:
+    """What a captured launch fixes of ``x``: a tensor's address, shape, strides and dtype; a
+    container's items'; a number as it is; an object's ``graph_identity()`` where it has one."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+    if hasattr(x, "graph_identity"):
+        return x.graph_identity()
+    if isinstance(x, (tuple, list)):
+        return tuple(identity(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, identity(v)) for k, v in x.items())
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return ("object", id(x))  # layout objects: kept alive with the graph, so the id is not reused
+
+
+class StepGraph:
+    """Attributes:
+        captures, replays: how many times a graph was captured, replayed (read by tests and benches).
+    """
+
+    def __init__(self, side):
+        self.side = side
+        self.graph = None
+        self.key = None  # the captured work's
+        self._seen = None  # the last eager work's, to capture the next step that matches it
+        self._kept = None  # the objects whose ids the key holds
+        self.captures = self.replays = 0
+
+    def run(self, objects: tuple, work) -> None:
+        """Queue ``work()``'s device work on the side stream: by replaying the graph captured from an
+        earlier ``work`` of the same key, by capturing it now (then replaying), or eagerly."""
+        key = identity(objects)
+        if self.graph is not None and key == self.key:
+            self._replay()
+            return
+        if key != self._seen:
+            self.graph, self.key, self._seen, self._kept = None, None, key, objects
+            with range_push("fused_zero.step_eager"):
+                work()
+            return
+        graph = self.side.api.graph()
+        with range_push("fused_zero.step_capture"), graph.capture(self.side.stream):
+            work()
+        self.graph, self.key, self._kept = graph, key, objects
+        self.captures += 1
+        self._replay()
+
+    def _replay(self) -> None:
+        with range_push("fused_zero.step_replay"), self.side.run(follow_current=False):
+            self.graph.replay()
+        self.replays += 1
+
+
+def check_capturable(engine, ddp) -> None:
+    """Refuse, at construction, what a graph of ``step()``'s device work cannot hold, naming the option."""
+    why = []
+    if engine.overlap != "step":
+        why.append(f'overlap={engine.overlap!r}: the updates run inside the backward (DDP\'s comm hook), which '
+                   'a graph of step() cannot hold; use overlap="step"')
+    if getattr(ddp, "find_unused_parameters", False):
+        why.append("find_unused_parameters=True: which parameters got a gradient is all-reduced into a new "
+                   "table every iteration; build DDP without it")
+    if engine.options.grad_reduce_dtype is not None:
+        why.append("grad_reduce_dtype: the gradients are reduced in copies made anew every iteration; leave it "
+                   "None")
+    if engine.options.stochastic_rounding:
+        why.append('master_weights="stochastic": its rounding keys are hashed from the step with temporaries; '
+                   "use master weights")
+    why += [f"{m.name}: updates in phases with host reads between (pipeline/whole_matrix.py)"
+            for m in engine.members if m.algo.phased]
+    if engine.side.api is None:
+        why.append(f"the parameters are on {engine.device.type}: a CUDA graph needs CUDA parameters (torch.optim's "
+                   "capturable=True refuses them too)")
+    if why:
+        raise ValueError("capturable=True (step() replayed from a CUDA graph) cannot be honored: " + "; ".join(why))

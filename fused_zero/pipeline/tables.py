@@ -1,0 +1,82 @@
+"""The coefficient tables of a step: one per member, one row per parameter of the engine, on the
+update's device. Built in two halves (update/algorithms.py): the host's columns and the step columns'
+inputs uploaded when the table is made (``build``), the step columns written from the device's counts by
+the device work that reads the table (``fill_steps``), so that work reads device memory only and a CUDA
+graph can hold it (step_graph.py). A part of the updates' stage (updates.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .reduction import UsedFlags
+
+
+class CoefficientTables:
+    """Attributes:
+        pending: ``(member, table, step inputs)`` of the tables made since the last ``fill_steps``.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pending: list[tuple] = []
+        self._groups: dict[int, torch.Tensor] = {}
+
+    @property
+    def side(self):
+        return self.engine.side
+
+    def _table(self, member: int, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
+        """One member's update scalars for this step, one row per parameter of the engine (the other
+        members' rows inactive), on the update's device: the host's columns and the step columns'
+        inputs uploaded now; the step columns written from the counts by the device work that reads the
+        table (``fill_steps``, update/step_columns.py)."""
+        e = self.engine
+        m = e.members[member]
+        group_idx = e.group_index(member)
+        host = m.algo.coefficients(hparams, group_idx, active * (e.member_of == member), e.reduction.grad_div)
+        scratch = e.scratch.under("table", len(self.pending))  # one step's tables, each its own
+        table = self.side.upload(host, out=scratch.take("coefs", host.shape, host.dtype))
+        inputs = m.algo.step_inputs(hparams, group_idx, e.step_counts.bound, self._device_groups(member),
+                                    self.side.upload, scratch)
+        self.pending.append((member, table, inputs))
+        return table
+
+    def fill_steps(self) -> None:
+        """The step columns of the tables made since the last device work (on the side stream)."""
+        e = self.engine
+        fills, self.pending = self.pending, []
+        for member, table, inputs in fills:
+            e.members[member].algo.fill_steps(table, inputs, e.step_counts,
+                                              e.options.seed if e.options.stochastic_rounding else None,
+                                              e.scratch.under("member", member))
+
+    def _device_groups(self, member: int) -> torch.Tensor:
+        """Each parameter's param group in ``member``, int64 on the device (uploaded once)."""
+        if member not in self._groups:
+            groups = np.asarray(self.engine.group_index(member), dtype=np.int64)
+            self._groups[member] = self.side.upload(torch.from_numpy(groups))
+        return self._groups[member]
+
+    def build(self, it, active: np.ndarray) -> list[torch.Tensor]:
+        """Every member's table of this step, rows active where ``active``."""
+        return [self._table(m.index, it.hparams[m.index], active) for m in self.engine.members]
+
+    def for_bucket(self, it, shard, active: np.ndarray | UsedFlags) -> list[torch.Tensor]:
+        """The tables (one per member) a bucket's update reads: the iteration's shared ones (every row
+        active), with this bucket's rows of column 0 set from all-reduced flags on the device, or tables
+        of its own where the host knows that some parameter of the bucket got no gradient."""
+        n = len(self.engine.params)
+        if it.coefs is None:  # the iteration's first tables, before any of its updates
+            self.engine.step_counts.begin_iteration()
+            it.coefs = self.build(it, np.ones(n))
+        if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
+            pids, used = active.table[0], active.table[1]
+            for table in it.coefs:  # another member's rows are read by no launch of this member
+                table[:, 0].index_copy_(0, pids, (used > 0).to(table.dtype))
+            return it.coefs
+        if active.all():
+            return it.coefs
+        mask = np.ones(n)
+        mask[shard.pids] = active
+        return self.build(it, mask)

@@ -1,0 +1,248 @@
+"""``capturable=True``: ``step()``'s device work captured once in a CUDA graph and replayed
+(pipeline/step_graph.py), run on the CPU under the stream-order checker, whose graph model
+(streamcheck/graphs.py) runs the capture's recorded operations on replay and reports what a real capture
+would refuse or lose: a host synchronization, an allocation, work outside the capture, a wait for work
+from outside it, a stream not joined back, host work.
+
+- Parity: 2 ranks, the engine replaying its graph against DDP + torch.optim run on the same data, every
+  parameter compared bit for bit after every step, with an lr scheduler changing lr every step (it must
+  reach the replays through device memory), and the optimizer state at the end. AdamW with clipping,
+  Adam (amsgrad) with a GradScaler and param_sync="forward".
+- The graph is captured once DDP's buckets and the arenas are stable, replayed every step after, and
+  its capture has no problem; the replayed steps make no host synchronization on the step path and
+  the checker finds no hazard.
+- The model itself: what it reports and what a replay does, on small captures.
+- The refusals, at construction, of what a graph cannot hold.
+
+The GPU case (tests/gpu, ``case_capture``) compares a captured step with an eager one bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from scenarios import VOCAB, OddNet, batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fused_zero
+from fused_zero.streamcheck import StreamChecker
+from fused_zero.streamcheck.device import ModeledStreams
+
+STEPS = 8
+DEVICE = torch.device("cpu")  # the checker's device memory
+
+CONFIGS = {  # the oracle: torch.optim under DDP, or the engine stepping eagerly (clipping: the global norm
+    # is summed in another order than clip_grad_norm_'s, 1e-7 apart: docs/testing.md)
+    "adamw-clip": dict(opt="AdamW", kw=dict(weight_decay=0.1), max_grad_norm=0.5, param_sync="step", oracle="eager"),
+    "adam-scaler-forward": dict(opt="Adam", kw=dict(amsgrad=True), scaler=True, param_sync="forward",
+                                oracle="torch"),
+}
+
+
+def _models():
+    torch.manual_seed(0)
+    model = OddNet().to(DEVICE)
+    model.never.requires_grad_(False)
+    ref = OddNet().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    ref.never.requires_grad_(False)
+    return model, ref
+
+
+def _loss(ddp, step, rank):
+    x, y = (t.to(DEVICE) for t in batch(step, 0, rank))
+    return F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def train_captured(rank, world, name):
+    """Train the engine (capturable, under the checker) and DDP + torch.optim side by side; returns what
+    differed, what the checker saw and how often the graph was captured and replayed."""
+    cfg = CONFIGS[name]
+    model, ref = _models()
+    kw = dict(lr=1e-2, **cfg["kw"])
+    with StreamChecker() as checker:
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6) if cfg.get("scaler") else None
+        options = dict(overlap="step", param_sync=cfg["param_sync"], max_grad_norm=cfg.get("max_grad_norm"))
+        opt = getattr(fused_zero, cfg["opt"])(ddp.parameters(), ddp=ddp, grad_scaler=scaler, capturable=True,
+                                              **options, **kw)
+        with checker.paused():  # the oracle, not modeled
+            ref_ddp = DDP(ref, bucket_cap_mb=0.0001)
+            ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6) if scaler is not None else None
+            ref_opt = getattr(torch.optim, cfg["opt"])(ref_ddp.parameters(), **kw) if cfg["oracle"] == "torch" else \
+                getattr(fused_zero, cfg["opt"])(ref_ddp.parameters(), ddp=ref_ddp, grad_scaler=ref_scaler, **options,
+                                                **kw)
+        schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
+        differences, replays = [], []
+        try:
+            for step in range(1, STEPS + 1):
+                checker.phase = f"step {step}"
+                loss = _loss(ddp, step, rank)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+                with checker.paused():
+                    ref_loss = _loss(ref_ddp, step, rank)
+                    (ref_scaler.scale(ref_loss) if ref_scaler is not None else ref_loss).backward()
+                    if cfg.get("max_grad_norm") and cfg["oracle"] == "torch":
+                        torch.nn.utils.clip_grad_norm_(ref_ddp.parameters(), cfg["max_grad_norm"])
+                    if ref_scaler is not None:
+                        ref_scaler.step(ref_opt)
+                        ref_scaler.update()
+                    else:
+                        ref_opt.step()
+                    ref_opt.zero_grad()
+                    for s in schedules:
+                        s.step()
+                    for o in (opt, ref_opt):
+                        getattr(o, "_engine", None) and o._engine.synchronize()
+                    replays.append(opt._engine.graph.replays)
+                    differences += [f"step {step} {n}" for (n, p), q in zip(model.named_parameters(), ref.parameters())
+                                    if not torch.equal(p, q)]
+            checker.phase = "end"
+            with checker.paused():
+                ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+                differences += [f"state {i} {k}" for i in theirs for k in theirs[i]
+                                if not torch.equal(torch.as_tensor(ours[i][k]), torch.as_tensor(theirs[i][k]))]
+            graph = opt._engine.graph
+            syncs = [s for s in checker.syncs if s[3] and s[2].startswith("step ")]
+            return dict(differences=differences, hazards=[str(h) for h in checker.hazards()],
+                        problems=[p for c in checker.captures for p in c.problems], captures=graph.captures,
+                        operations=[len(c.operations) for c in checker.captures],
+                        replays=replays, syncs=[(s[2], s[0]) for s in syncs])
+        finally:
+            for o in (opt, ref_opt):
+                getattr(o, "_engine", None) and o._engine.close()
+
+
+@pytest.fixture(scope="module", params=["adamw-clip", "adam-scaler-forward"])
+def captured(request):
+    return run_ranks(train_captured, 2, request.param)
+
+
+def test_replayed_steps_train_as_torch_optim(captured):
+    for rank, seen in enumerate(captured):
+        assert not seen["differences"], f"rank {rank}: {seen['differences'][:5]}"
+
+
+def test_the_graph_is_captured_when_the_layout_settles_and_replayed_after(captured):
+    """Eager at step 1, and at 2 (DDP's rebuilt buckets), captured at 3 (per-bucket launches), eager at 5
+    (the arenas packed after step 4: one launch), captured at 6; every step after replays."""
+    for seen in captured:
+        replays = seen["replays"]
+        assert seen["captures"] == 2 and replays[-1] == STEPS - 3, seen
+        assert replays[-1] - replays[-3] == 2, replays  # steps 7 and 8 replayed
+        assert not seen["problems"], seen["problems"]
+
+
+def test_replayed_steps_make_no_host_synchronization_and_no_hazard(captured):
+    for seen in captured:
+        assert not seen["hazards"], seen["hazards"]
+        # the captures' own (torch.cuda.graph synchronizes before each), and nothing else
+        assert seen["syncs"] == [(f"step {s}", "torch.cuda.graph() synchronizes the device before a capture")
+                                 for s in (3, 6)], seen["syncs"]
+
+
+# ---------------------------------------------------------------------------- the capture model itself
+
+def _model_run(work):
+    """``work(streams, side, t, compute)`` captured on a modeled side stream; returns the capture's problems,
+    the graph, ``t`` (a device tensor of 4 ones made before the capture) and the checker."""
+    with StreamChecker() as checker:
+        streams = ModeledStreams(checker, DEVICE)
+        side = streams.side_stream()
+        t = torch.ones(4, device=DEVICE)
+        compute, graph = streams.current(), streams.graph()
+        with graph.capture(side):
+            work(streams, side, t, compute)
+        return [kind for kind, *_ in graph.capture_of.problems], graph, t, checker
+
+
+def test_a_capture_changes_nothing_and_a_replay_reruns_it_on_the_tensors_as_they_are():
+    lr = torch.full((1,), 0.5, device=DEVICE)
+
+    def work(streams, side, t, compute):
+        t.mul_(lr)
+    problems, graph, t, checker = _model_run(work)
+    assert problems == [] and torch.equal(t, torch.ones(4))
+    with checker.paused():
+        lr.fill_(0.25)  # a scheduler's new value, written into the tensor the graph reads
+    graph.replay()
+    assert torch.equal(t, torch.full((4,), 0.25))
+
+
+def test_what_a_graph_cannot_hold_is_reported():
+    def allocates(streams, side, t, compute):
+        t.add_(torch.zeros(4, device=DEVICE))
+    assert _model_run(allocates)[0] == ["allocation"]
+
+    def syncs(streams, side, t, compute):
+        float(t.sum())
+    assert "host synchronization" in _model_run(syncs)[0]
+
+    def waits_outside(streams, side, t, compute):
+        side.wait_stream(compute)  # the compute stream is not part of the capture
+    assert _model_run(waits_outside)[0] == ["isolation"]
+
+    def forks_without_join(streams, side, t, compute):
+        other = streams.side_stream()
+        other.wait_stream(side)
+        with streams.use(other):
+            t.add_(1)
+    assert _model_run(forks_without_join)[0] == ["unjoined"]
+
+    def queues_elsewhere(streams, side, t, compute):
+        with streams.use(streams.side_stream()):
+            t.add_(1)
+    assert _model_run(queues_elsewhere)[0] == ["outside the capture"]
+
+
+# ---------------------------------------------------------------------------- refusals
+
+def _refusal(rank, world, options, ddp_options):
+    torch.manual_seed(0)
+    model = OddNet()
+    model.never.requires_grad_(False)
+    if options.get("master_weights") == "stochastic":
+        model.bfloat16()
+    with StreamChecker():  # a modeled device: only what a graph cannot hold is refused
+        ddp = DDP(model, **ddp_options)
+        try:
+            fused_zero.AdamW(ddp.parameters(), ddp=ddp, capturable=True, **options)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("options, ddp_options, named", [
+    (dict(overlap="backward"), {}, 'overlap="step"'),
+    (dict(), {}, 'overlap="step"'),
+    (dict(overlap="step", grad_reduce_dtype=torch.bfloat16), {}, "grad_reduce_dtype"),
+    (dict(overlap="step", master_weights="stochastic"), {}, "stochastic"),
+    (dict(overlap="step"), dict(find_unused_parameters=True), "find_unused_parameters"),
+])
+def test_what_a_graph_cannot_hold_is_refused_at_construction(options, ddp_options, named):
+    why = run_ranks(_refusal, 1, options, ddp_options)[0]
+    assert why is not None and named in why and "capturable=True" in why, why
+
+
+def _on_cpu(rank, world):
+    model = OddNet()
+    model.never.requires_grad_(False)
+    ddp = DDP(model)
+    try:
+        fused_zero.AdamW(ddp.parameters(), ddp=ddp, overlap="step", capturable=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_capturable_on_cpu_parameters_is_refused():
+    why = run_ranks(_on_cpu, 1)[0]
+    assert why is not None and "CUDA" in why and "cpu" in why, why
