@@ -133,19 +133,19 @@ class BlockTable:
                                        torch.tensor([tail], dtype=torch.int64, device="cpu")])])
         self._segments = upload(host) if upload is not None else \
             torch.tensor(host.tolist(), dtype=torch.int64, device=self.device)
-        self._slots: torch.Tensor | None = None
+        # kept on the host, made here with the table rather than at the first call: a lazy cache is
+        # filled by whichever thread asks first, the checkpoint server's as well as the training loop's
+        self._slots = self._expand() if self.device.type == "cpu" else None
 
     def slots(self) -> torch.Tensor:
         """Each state slot's block, -1 where no row covers it (int64, on the table's device). Kept on
         the host, where the CPU update reads it every step (8 bytes per slot of host memory); made anew
         per call on an accelerator, where it is only read by loads and reshards and would cost 4x the
         device memory of a pair of 8-bit moments."""
-        if self._slots is not None:
-            return self._slots
-        out = torch.repeat_interleave(self._segments[0], self._segments[1], output_size=self.size)
-        if self.device.type == "cpu":
-            self._slots = out
-        return out
+        return self._slots if self._slots is not None else self._expand()
+
+    def _expand(self) -> torch.Tensor:
+        return torch.repeat_interleave(self._segments[0], self._segments[1], output_size=self.size)
 
 
 def values(t: torch.Tensor, scale: torch.Tensor | None, blocks: BlockTable | None, name: str) -> torch.Tensor:
