@@ -17,6 +17,11 @@ class Stepping:
         """A member's ``step()``; the last member's ends the iteration (returns True then). ``via_scaler``:
         called by ``GradScaler.step()``, which passes the loss scale the gradients still carry (None
         after the user's ``scaler.unscale_``)."""
+        if self.side.api is not None and self.side.api.capturing():
+            raise RuntimeError(
+                "optimizer.step() was called inside a CUDA graph capture: it waits for the reductions issued "
+                "in the backward, outside the capture, which CUDA refuses. Call step() eagerly; with "
+                "capturable=True and overlap=\"step\" it captures its own device work once and replays it")
         if self.local:
             return self._local_step(member, via_scaler, grad_scale)
         it = self.iteration

@@ -71,6 +71,10 @@ class CudaStreams:
     def graph(self) -> CudaGraph:
         return CudaGraph()
 
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph (the caller's own)."""
+        return torch.cuda.is_current_stream_capturing()
+
 
 class CudaGraph:
     """One CUDA graph: ``capture(stream)`` records what is queued on ``stream`` (and on the streams that

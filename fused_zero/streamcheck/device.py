@@ -138,6 +138,9 @@ class ModeledStreams:
     def graph(self) -> ModeledGraph:
         return ModeledGraph(self.checker)
 
+    def capturing(self) -> bool:
+        return self.checker.capturing() is not None
+
     def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         with self.checker.paused():
             t = torch.empty(shape, dtype=dtype)

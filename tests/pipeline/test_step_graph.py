@@ -246,3 +246,27 @@ def _on_cpu(rank, world):
 def test_capturable_on_cpu_parameters_is_refused():
     why = run_ranks(_on_cpu, 1)[0]
     assert why is not None and "CUDA" in why and "cpu" in why, why
+
+
+def _step_in_a_users_capture(rank, world):
+    model, _ = _models()
+    with StreamChecker() as checker:
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        opt = fused_zero.AdamW(ddp.parameters(), ddp=ddp, overlap="step", capturable=True)
+        try:
+            _loss(ddp, 1, rank).backward()
+            streams = ModeledStreams(checker, DEVICE)
+            with streams.graph().capture(streams.side_stream()):
+                opt.step()
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            opt._engine.close()
+    return None
+
+
+def test_step_inside_the_users_own_capture_is_refused():
+    """torch's recipe (``with torch.cuda.graph(g): opt.step()``) cannot hold fused_zero's step, whose waits
+    are for work the backward queued outside the capture: named, with the option that does it."""
+    why = run_ranks(_step_in_a_users_capture, 1)[0]
+    assert why is not None and "inside a CUDA graph capture" in why and "capturable=True" in why, why
