@@ -9,7 +9,8 @@
 - the kernels' GB/s as a share of the same run's device copy of the same bytes, at 1M-256M elements
   (bench-kernels.json);
 - the bf16 + master AdamW step against torch's fused AdamW with the casts it needs (same file);
-- the iteration against DDP + torch's fused AdamW, per model (bench-step.json).
+- the iteration against DDP + torch's fused AdamW, per model (bench-step.json);
+- ``step()`` eager against replayed from a CUDA graph: host time per step and iteration (bench-graph.json).
 
 Exits 1 when a step failed (a non-zero exit code in status.txt), else 0; missing files are reported as
 missing, not as failures (their step's status says why).
@@ -121,13 +122,27 @@ def iteration_table(out: Path) -> list[str]:
     return lines
 
 
+def graph_table(out: Path) -> list[str]:
+    runs = [b for b in _benchmarks(out / "bench-graph.json") if "system" in (b.get("extra_info") or {})]
+    if not runs:
+        return ["graph: no results (bench-graph.json missing or empty)"]
+    lines = ["step() host us and iteration ms, median (ratio to fused_zero-step, eager):"]
+    for b in runs:
+        i = b["extra_info"]
+        graph = f", captures {i['captures']} replays {i['replays']}" if i.get("captures") is not None else ""
+        lines.append(f"  {i['model']} {i['system']}: host {i['host_step_us_median']:.0f} us "
+                     f"({i['host_step_vs_eager']:.2f}), iteration {i['iteration_ms_median']:.2f} ms "
+                     f"({i['iteration_vs_eager']:.2f}){graph}")
+    return lines
+
+
 def main(out: Path, work: Path | None = None) -> int:
     rows = read_status(out)
     data = work if work is not None else out
     failed = failed_steps(rows)
     print("=" * 100)
     print("steps: " + " | ".join(f"{n} {'ok' if c == '0' else c} {s}s" for n, c, s in rows))
-    for part in (test_counts, kernel_table, iteration_table):
+    for part in (test_counts, kernel_table, iteration_table, graph_table):
         try:  # one unreadable file must not hide the rest of the summary
             out_lines = part(data)
         except Exception as e:
