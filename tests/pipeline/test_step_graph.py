@@ -7,7 +7,7 @@ from outside it, a stream not joined back, host work.
 - Parity: 2 ranks, the engine replaying its graph against DDP + torch.optim run on the same data, every
   parameter compared bit for bit after every step, with an lr scheduler changing lr every step (it must
   reach the replays through device memory), and the optimizer state at the end. AdamW with clipping,
-  Adam (amsgrad) with a GradScaler and param_sync="forward".
+  Adam (amsgrad) with a GradScaler and param_sync="forward", AdamW with 8-bit moments.
 - The graph is captured once DDP's buckets and the arenas are stable, replayed every step after, and
   its capture has no problem; the replayed steps make no host synchronization on the step path and
   the checker finds no hazard.
@@ -38,6 +38,7 @@ CONFIGS = {  # the oracle: torch.optim under DDP, or the engine stepping eagerly
     "adamw-clip": dict(opt="AdamW", kw=dict(weight_decay=0.1), max_grad_norm=0.5, param_sync="step", oracle="eager"),
     "adam-scaler-forward": dict(opt="Adam", kw=dict(amsgrad=True), scaler=True, param_sync="forward",
                                 oracle="torch"),
+    "adamw-8bit": dict(opt="AdamW", kw=dict(state_format="8bit"), param_sync="step", oracle="eager"),
 }
 
 
@@ -121,7 +122,7 @@ def train_captured(rank, world, name):
                 getattr(o, "_engine", None) and o._engine.close()
 
 
-@pytest.fixture(scope="module", params=["adamw-clip", "adam-scaler-forward"])
+@pytest.fixture(scope="module", params=list(CONFIGS))
 def captured(request):
     return run_ranks(train_captured, 2, request.param)
 
