@@ -145,7 +145,7 @@ class AdamFamily(Algorithm):
 
     def step_inputs(self, groups, group_idx, bound, group, upload, scratch) -> tuple:
         neg_lr = -_per_param(groups, group_idx)(lambda g: g["lr"])
-        bias = self._bias.get(groups, bound, group, upload)
+        bias = self._bias.get(groups, bound, group, upload, first=2 ** 16 if scratch.kept else 32)
         return (upload(torch.from_numpy(neg_lr), out=scratch.take("neg_lr", neg_lr.shape, torch.float64)),
                 bias.both, bias.base, bias.length)
 

@@ -51,7 +51,9 @@ class BiasTables:
     def __init__(self):
         self.key, self.full, self.length, self.both, self.base = None, 0, -1, None, None
 
-    def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload) -> BiasTables:
+    def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload, first: int = 32) -> BiasTables:
+        """``first``: the length a new table starts at (where a CUDA graph reads it, a growth is a
+        recapture: pipeline/step_graph.py asks for 65,536, which holds 0.999's 37,412 steps)."""
         betas = tuple(tuple(float(b) for b in g["betas"]) for g in groups)
         same = betas == self.key
         if not same:  # the saturation steps, searched once per set of betas, not every table
@@ -59,7 +61,7 @@ class BiasTables:
         full = self.full
         need = min(full, bound)
         if not same or self.length < need:
-            grown = 2 * self.length if same else 32
+            grown = 2 * self.length if same else first
             length = min(full, max(need, grown))
             t = np.arange(length + 1, dtype=np.float64)
             both = np.stack([np.stack([1 - np.power(b1, t), np.power(1 - np.power(b2, t), 0.5)], axis=-1)

@@ -86,3 +86,15 @@ def test_stochastic_rounding_keys_are_the_host_hash():
         want = [sr_key(seed, c + 1, pid) for pid, c in enumerate(counts)]
         assert got[:, -1].contiguous().view(torch.int32).tolist() == \
             [k - (1 << 32) if k >= 1 << 31 else k for k in want]
+
+
+def test_a_graph_s_bias_table_holds_beta2_0999_to_saturation_at_once():
+    """Where a CUDA graph reads the tables (kept scratch, capturable=True), a table's growth is a recapture:
+    the first table covers 65,536 steps, all of 0.999's; made step by step otherwise."""
+    groups = _groups_adam()[:1]
+    group_of = np.zeros(3, dtype=np.int64)
+    for kept, length in ((True, saturation(0.999)), (False, 32)):
+        algo, scratch = AdamFamily(groups, decoupled_default=True), Scratch(torch.device("cpu"), kept=kept)
+        inputs = algo.step_inputs(groups, group_of, 1, torch.from_numpy(group_of),
+                                  lambda t, out=None: t if out is None else out.copy_(t), scratch)
+        assert inputs[3] == length, (kept, inputs[3])
