@@ -57,6 +57,19 @@ def _loss(ddp, step, rank):
     return F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
 
 
+def _step(ddp, opt, scaler, step, rank, clip=None):
+    loss = _loss(ddp, step, rank)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if clip is not None:  # torch.optim's oracle clips as the engine's max_grad_norm does
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+
+
 def train_captured(rank, world, name):
     """Train the engine (capturable, under the checker) and DDP + torch.optim side by side; returns what
     differed, what the checker saw and how often the graph was captured and replayed."""
@@ -80,25 +93,10 @@ def train_captured(rank, world, name):
         try:
             for step in range(1, STEPS + 1):
                 checker.phase = f"step {step}"
-                loss = _loss(ddp, step, rank)
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad()
+                _step(ddp, opt, scaler, step, rank)
                 with checker.paused():
-                    ref_loss = _loss(ref_ddp, step, rank)
-                    (ref_scaler.scale(ref_loss) if ref_scaler is not None else ref_loss).backward()
-                    if cfg.get("max_grad_norm") and cfg["oracle"] == "torch":
-                        torch.nn.utils.clip_grad_norm_(ref_ddp.parameters(), cfg["max_grad_norm"])
-                    if ref_scaler is not None:
-                        ref_scaler.step(ref_opt)
-                        ref_scaler.update()
-                    else:
-                        ref_opt.step()
-                    ref_opt.zero_grad()
+                    clip = cfg.get("max_grad_norm") if cfg["oracle"] == "torch" else None
+                    _step(ref_ddp, ref_opt, ref_scaler, step, rank, clip)
                     for s in schedules:
                         s.step()
                     for o in (opt, ref_opt):
