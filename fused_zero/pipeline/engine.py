@@ -98,9 +98,10 @@ class Engine(Stepping):
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
         scaler: the user's GradScaler (the first member's ScalerLink: each member has its own), or None.
-        capturable, graph, scratch: whether ``step()``'s device work is replayed from a CUDA graph
-            (``capturable=True``), the graph (step_graph.py), the small tensors that work writes
-            (scratch.py: kept across steps where a graph reads them).
+        graph: ``step()``'s device work replayed from a CUDA graph (``capturable=True``, step_graph.py),
+            or None.
+        scratch: the small tensors that work writes (scratch.py: kept across steps where a graph reads
+            them).
         skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
@@ -143,12 +144,12 @@ class Engine(Stepping):
         self.group, self.world, self.rank = topo.group, topo.world, topo.rank
         topo.check_reduce_dtype(self.options.grad_reduce_dtype, self.device)
         self.side = SideStream(self.device)
-        self.capturable = any(getattr(opt, "_capturable", False) for opt, _, _ in members)
-        if self.capturable:
+        capturable = any(getattr(opt, "_capturable", False) for opt, _, _ in members)
+        if capturable:
             check_capturable(self, ddp)
         # what the device work writes besides the state: kept across steps where a graph replays it
-        self.scratch = Scratch(self.device, kept=self.capturable)
-        self.graph = StepGraph(self.side) if self.capturable else None
+        self.scratch = Scratch(self.device, kept=capturable)
+        self.graph = StepGraph(self.side) if capturable else None
         self.step_counts = StepCounts(len(self.params), self.side)
         self.iteration = _Iteration()
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)

@@ -36,8 +36,7 @@ class ModeledStream:
     def wait_event(self, event: ModeledEvent) -> None:
         capture = self.checker.capturing()
         if capture is not None:
-            vc = event.captured[1] if event.captured is not None and event.captured[0] is capture else None
-            capture.wait(self.sid, vc, "an event")
+            capture.wait(self.sid, capture.clock_of(event.captured), "an event")
             return
         if event.pending:
             _deadlock(self.checker, f"{self!r} waits for {event.pending}")
@@ -64,7 +63,7 @@ class ModeledEvent:
         sid = stream.sid if stream is not None else self.checker.current
         capture = self.checker.capturing()
         if capture is not None:
-            self.captured = (capture, capture.snapshot(sid))
+            self.captured = capture.point(sid)
             return
         self.vc = self.checker.clocks.snapshot(sid)
 
@@ -188,11 +187,9 @@ class ModeledStreams:
 class ModeledWork:
     """A real gloo Work, with NCCL's ordering: see the module docstring."""
 
-    def __init__(self, checker, work, vc: dict[int, int], outputs: list[torch.Tensor],
-                 captured: dict[int, int] | None = None):
+    def __init__(self, checker, work, vc: dict[int, int], outputs: list[torch.Tensor], captured: tuple | None = None):
         self.checker, self.work, self.vc, self.outputs = checker, work, vc, outputs
-        self.captured = captured  # its stream's clock in the capture it was issued in (graphs.py), or None
-        self.capture = checker.capturing()
+        self.captured = captured  # its stream's point in the capture it was issued in (graphs.py), or None
 
     def wait(self, timeout=None) -> bool:
         checker = self.checker
@@ -201,7 +198,7 @@ class ModeledWork:
                 self.work.wait()
         capture = checker.capturing()
         if capture is not None:
-            capture.wait(checker.current, self.captured if self.capture is capture else None, "a collective")
+            capture.wait(checker.current, capture.clock_of(self.captured), "a collective")
             return True
         with checker.lock:  # every rank joined it: the requesters this rank served had been served
             checker.clocks.merge(checker.current, self.vc)

@@ -66,6 +66,15 @@ class Capture:
     def snapshot(self, sid: int) -> dict[int, int] | None:
         return dict(self.vc[sid]) if sid in self.vc else None
 
+    def point(self, sid: int) -> tuple[Capture, dict[int, int] | None]:
+        """Where stream ``sid`` is now in this capture: what an event recorded or a collective issued
+        inside it keeps, for a later ``wait``."""
+        return self, self.snapshot(sid)
+
+    def clock_of(self, point: tuple | None) -> dict[int, int] | None:
+        """A point's clock if it was taken in this capture; None (outside work) otherwise."""
+        return point[1] if point is not None and point[0] is self else None
+
     def wait(self, waiter: int, vc: dict[int, int] | None, what: str) -> None:
         """Stream ``waiter`` waits for a point of a captured stream (``vc``), or for work from outside
         the capture (``vc`` None)."""

@@ -34,10 +34,8 @@ class Memory:
         """Know ``t``'s storage (allocated now, on the current stream, unless known already); returns its
         entry (None for a storage without memory). ``origin``: the host tensor a host-computed one derives
         from (named in reports: where the data was made). ``fresh``: the storage was allocated by the
-        operation that returns it, so an entry at its address is a dead storage's, whatever the weak
-        reference says (a storage's Python object may be gone without its weak reference cleared, and a
-        new one made at the same address then passes for it: seen with two threads freeing and
-        allocating at once, the training thread's temporary counted as the checkpoint server's)."""
+        operation that returns it, so an entry at its address is a dead storage's, not looked up by its
+        weak reference; inside a CUDA graph's capture, an allocation the capture reports (graphs.py)."""
         checker = self.checker
         storage = t.untyped_storage()
         key = storage.data_ptr()

@@ -46,7 +46,7 @@ def collective(checker, real, read_args: tuple[int, ...], write_args: tuple[int,
             capture.operations.append(lambda: real(*args, **kwargs) if not takes_async else
                                       real(*args, **{**kwargs, "async_op": True}).wait())
         modeled_work = ModeledWork(checker, work if takes_async else None, checker.clocks.snapshot(sid), writes,
-                                   capture.snapshot(sid) if capture is not None else None)
+                                   capture.point(sid) if capture is not None else None)
         if not (takes_async and kwargs.get("async_op", True)):
             modeled_work.wait()
         return modeled_work
