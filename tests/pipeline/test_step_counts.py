@@ -32,11 +32,16 @@ def _groups_adam():
 COUNTS = [0, 1, 2, 31, 32, 33, 64, 355, 356, 357, 1852, 1853, 37411, 37412, 37413, 10 ** 6]
 
 
+def _upload(t, out=None):
+    """SideStream.upload on the CPU: the table itself, or copied into ``out``."""
+    return t if out is None else out.copy_(t)
+
+
 def _table(algo, groups, group_of, counts, seed=None):
     table = algo.coefficients(groups, group_of, np.ones(len(counts)), 1.0).clone()
     counts, scratch = _Counts(counts), Scratch(torch.device("cpu"))
     inputs = algo.step_inputs(groups, group_of, counts.bound, torch.from_numpy(group_of),
-                              lambda t, out=None: t if out is None else out.copy_(t), scratch)
+                              _upload, scratch)
     algo.fill_steps(table, inputs, counts, seed, scratch)
     return table
 
@@ -96,5 +101,5 @@ def test_a_graph_s_bias_table_holds_beta2_0999_to_saturation_at_once():
     for kept, length in ((True, saturation(0.999)), (False, 32)):
         algo, scratch = AdamFamily(groups, decoupled_default=True), Scratch(torch.device("cpu"), kept=kept)
         inputs = algo.step_inputs(groups, group_of, 1, torch.from_numpy(group_of),
-                                  lambda t, out=None: t if out is None else out.copy_(t), scratch)
+                                  _upload, scratch)
         assert inputs[3] == length, (kept, inputs[3])
