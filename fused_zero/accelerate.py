@@ -187,11 +187,11 @@ class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
 
 
 def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimizer) -> None:
-    engine = opt._engine
-    counts = [engine.skipped.clone()]  # the optimizer's skipped-step counter, as of the last step
+    engine, m = opt._engine, opt._member.index
+    counts = [engine.skipped[m].clone()]  # the optimizer's skipped-step counter, as of the last step
 
     def after_step(*_):
-        now = engine.skipped.clone()
+        now = engine.skipped[m].clone()
         accelerated._fused_zero_skipped = now != counts[0]  # device tensors: read only when asked
         counts[0] = now
 

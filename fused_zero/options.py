@@ -332,9 +332,11 @@ def unowned(ddp, owned: set[int]) -> list[torch.nn.Parameter]:
 
 
 def collect_params(members: list[list[dict]], ddp) -> tuple[list[torch.nn.Parameter], np.ndarray, np.ndarray]:
-    """The parameters of every optimizer over ``ddp`` (their param groups, in attach order), each with its
-    optimizer's index and its group index there: every parameter DDP reduces must be updated by exactly
-    one of them."""
+    """The parameters DDP reduces, as the engine numbers them: every optimizer's over ``ddp`` (their param
+    groups, in attach order), each with its optimizer's index and its group index there, then the ones
+    no fused_zero optimizer updates (member ``NO_MEMBER``: reduced as DDP reduces them, their ``.grad``
+    DDP's average, and left to their owner, a torch.optim optimizer or none). A parameter given to two
+    optimizers is refused."""
     params, member_of, group_of, owner = [], [], [], {}
     for m, groups in enumerate(members):
         mine, groups_of = member_params(groups, ddp)
@@ -346,10 +348,12 @@ def collect_params(members: list[list[dict]], ddp) -> tuple[list[torch.nn.Parame
             params.append(p)
             member_of.append(m)
             group_of.append(int(g))
-    missing = unowned(ddp, set(owner))
-    if missing:
-        names = ", ".join(param_name(ddp, p) for p in missing[:4])
-        who = "the optimizer does not own" if len(members) == 1 else "none of its fused_zero optimizers owns"
-        raise ValueError(f"the DDP module reduces {len(missing)} parameter(s) {who}: {names}; pass every "
-                         "trainable parameter to one optimizer over it (e.g. ddp.parameters())")
+    for p in unowned(ddp, set(owner)):
+        params.append(p)
+        member_of.append(NO_MEMBER)
+        group_of.append(0)
     return params, np.asarray(member_of, dtype=np.int64), np.asarray(group_of, dtype=np.int64)
+
+
+NO_MEMBER = -1
+"""The member index of a parameter DDP reduces that no fused_zero optimizer updates (``collect_params``)."""

@@ -190,8 +190,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """End the iteration: with overlap="step" run every bucket's update (the others ran them during
-        backward); with param_sync="step" return once the parameters hold their new values."""
+        """This optimizer's step: with overlap="step" its update of every bucket runs now, from its
+        gradients as they are (the other modes ran it during the backward); it skips on its own
+        gradients' overflow. With param_sync="step" it returns once its parameters hold their new values
+        (a bucket shared with another optimizer over the module is all-gathered once that one has stepped
+        too: pipeline/stepping.py)."""
         engine = self._attached_engine("step()")
         loss = None
         if closure is not None:
@@ -201,23 +204,38 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 canonical.is_state_init_step(self._view):
             canonical.run_state_init_step(self._view)  # torch.distributed.checkpoint's helpers do this
             return loss
-        iteration = engine.iteration
+        iteration, me = engine.iteration, self._member.index
+        before = me in iteration.stepped
         try:
             # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
-            # None once the user has called scaler.unscale_(opt). The last member's step ends the iteration.
+            # None once the user has called scaler.unscale_(opt).
             engine.step(self._member, via_scaler=hasattr(self, "found_inf"),
                         grad_scale=getattr(self, "grad_scale", None))
         finally:
-            if engine.iteration is not iteration:  # the step ended (a refusal may raise after it did)
-                for m in engine.members:
-                    m.opt._peers.published()
+            if engine.iteration is not iteration or (me in iteration.stepped and not before):
+                self._peers.published()  # this optimizer stepped (a refusal may raise after it did)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's. With ``set_to_none=False`` the gradients are zeroed in place: with
+        ``gradient_as_bucket_view`` they are views of DDP's buckets, whose version counter every gradient
+        of the bucket shares, so the other optimizers over the module are told that this change is not
+        an edit of their gradients (pipeline/grad_watch.py)."""
+        engine = self._engine
+        if engine is None or set_to_none:
+            super().zero_grad(set_to_none)
+            return
+        watch = engine.policy.watch
+        before = watch.versions()
+        super().zero_grad(set_to_none=False)
+        watch.excuse(before, self._member.pids)
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped on every rank because some rank's reduced gradients held an inf or NaN (loss-scale
-        overflows included), as Megatron's skipped-iterations count. Reading it waits for the device."""
-        return self._attached_engine("skipped_steps").skipped_steps
+        """This optimizer's steps skipped on every rank because some rank's reduced gradients of its
+        parameters held an inf or NaN (loss-scale overflows included), as Megatron's skipped-iterations
+        count. Reading it waits for the device."""
+        return self._attached_engine("skipped_steps").skipped_steps(self._member.index)
 
     def synchronize(self) -> None:
         """Wait until every parameter holds its updated value. Needed only with param_sync="forward",

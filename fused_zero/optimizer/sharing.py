@@ -3,16 +3,19 @@
 An optimizer attaches to a DDP module (``ddp=`` or ``attach``), and several may, each with parameters of
 its own: ``fused_zero.Muon`` for the hidden matrices beside ``fused_zero.AdamW`` for the embeddings,
 norms and biases, the pairing torch's docs and Muon's authors use. The engine (pipeline/engine.py) lays
-out the state of every parameter DDP reduces, so it is built once the attached optimizers own them all:
-at once for one optimizer over the whole module, at the last attach otherwise. Until then the attached
-optimizers *wait*: they keep a loaded state as an unattached one does (checkpoint/loading.py), and the
-module's next forward refuses, naming the parameters no optimizer owns (a forward pre-hook that runs
-before DDP's; every rank sees the same attaches, so every rank raises there).
+out every parameter DDP reduces, so it is built once the layout is settled: at once where the attached
+optimizers own every parameter (one optimizer over the whole module), else at the module's first
+forward, with the optimizers attached by then (a forward pre-hook; every rank sees the same attaches and
+runs the same forward). A parameter none of them owns is reduced as DDP reduces it, its ``.grad`` DDP's
+average, and left to its owner: a torch.optim optimizer over the rest of the module, or none, as with
+DDP + torch.optim. Until the engine is built the attached optimizers *wait*: they keep a loaded state as
+an unattached one does (checkpoint/loading.py).
 
 Refused at ``attach``, before anything changes: a parameter another optimizer over the module owns
 (named, with that optimizer), an option given to two optimizers with different values (the options
 other than ``state_format`` are the module's: one reduction, one overlap mode, one global norm for
-``max_grad_norm``, one GradScaler), and a DDP module with a comm hook of its own.
+``max_grad_norm``, one GradScaler), a DDP module with a comm hook of its own, and an optimizer attached
+once the layout is settled (build it before the module's first forward).
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ class Hub:
                 raise ValueError(f"{param_name(ddp, p)} is already updated by the {type(other).__name__} "
                                  f"attached to this DDP module: give each parameter to one optimizer "
                                  f"(this {type(opt).__name__} was not attached)")
+        if self.engine is not None:
+            names = ", ".join(type(m.opt).__name__ for m in self.engine.members)
+            raise RuntimeError(
+                f"this {type(opt).__name__} was attached to a DDP module whose layout is already settled, with "
+                f"the fused_zero optimizers attached by its first forward ({names}): build and attach every "
+                "fused_zero optimizer over the module before its first forward (the parameters none of them "
+                "owns are left to their owner, a torch.optim optimizer or none)")
         module = {k: v for k, v in options.items() if k not in PER_OPTIMIZER}
         for k, v in module.items():
             if k in self.options and not _same(self.options[k], v):
@@ -119,11 +129,12 @@ class Hub:
     def _install_guard(self) -> None:
         if self._guard is None:
             module = self.ddp.module if isinstance(self.ddp, LocalModule) else self.ddp
-            self._guard = module.register_forward_pre_hook(_Unowned(self))
+            self._guard = module.register_forward_pre_hook(_Settle(self))
 
     def _build(self) -> None:
-        """Every parameter is owned: check each optimizer's kept state (a collective per optimizer, in
-        attach order on every rank), build the engine, then bind each optimizer to its member."""
+        """The layout is settled (every parameter owned, or the module's first forward): check each
+        optimizer's kept state (a collective per optimizer, in attach order on every rank), build the
+        engine, then bind each optimizer to its member."""
         members = list(self.waiting)
         options = {**self.options, **(OVERRIDES if isinstance(self.ddp, LocalModule) else {})}
         plans = [loading.check_at_attach(o, self.ddp, options, o._kept) for o in members]
@@ -137,31 +148,24 @@ class Hub:
             o._bind(engine, member, plan)
 
 
-class _Unowned:
-    """Forward pre-hook of a module whose attached optimizers do not own every parameter yet: the forward
-    is refused, on every rank, before DDP starts its own work."""
+class _Settle:
+    """Forward pre-hook of a module whose attached optimizers do not own every parameter: its first forward
+    settles the layout, with the optimizers attached by then (every rank runs it, with the same ones)."""
 
     def __init__(self, hub: Hub):
         self.hub = weakref.ref(hub)
 
     def __call__(self, module, args):
         hub = self.hub()
-        missing = hub.missing() if hub is not None and hub.engine is None else []
-        if missing:
-            names = ", ".join(param_name(hub.ddp, p) for p in missing[:6])
-            more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-            attached = ", ".join(type(o).__name__ for o in hub.waiting)
-            raise ValueError(f"the DDP module reduces {len(missing)} parameter(s) that none of its fused_zero "
-                             f"optimizers ({attached}) owns: {names}{more}. Give every trainable parameter to one "
-                             "optimizer over the module (e.g. fused_zero.AdamW for what fused_zero.Muon does "
-                             "not take), before the first forward")
+        if hub is not None and hub.engine is None and hub.waiting:
+            hub._build()
 
 
 def not_attached(opt, what: str) -> str:
     if getattr(opt, "_joined", False):
-        return (f"{what} needs this {type(opt).__name__}'s DDP module laid out, and it waits: the fused_zero "
-                "optimizers attached to the module do not own all of its trainable parameters yet. Attach one "
-                "for the rest (e.g. fused_zero.AdamW beside fused_zero.Muon) on every rank")
+        return (f"{what} needs this {type(opt).__name__}'s DDP module laid out, which happens at its first "
+                "forward (the fused_zero optimizers attached to it do not own all of its trainable parameters: "
+                "the layout is settled then, with the ones attached by then)")
     return (f"{what} needs this {type(opt).__name__} attached to its DDP module, and it is not: call "
             "opt.attach(ddp) once the model is wrapped in DistributedDataParallel, or pass ddp= at "
             "construction (one process without DDP: opt.attach(model); Lightning: "

@@ -22,6 +22,10 @@ Two things in that contract do not fit a sharded optimizer, and the link below b
 
 This reads two private attributes of GradScaler (``_scale`` and ``_per_optimizer_states``), the ones
 the contract above is made of; tests/pipeline/test_mixed_precision.py checks them against the installed torch.
+
+GradScaler keeps a state per optimizer, and so does the link: each fused_zero optimizer over a module
+has its own (pipeline/members.py), its own flag (its own gradients' overflow: the others step) and its own
+scale (None once the user unscaled its ``param.grad``), as torch's optimizers have.
 """
 
 from __future__ import annotations
@@ -55,19 +59,23 @@ class ScalerLink:
     def _state(self) -> dict:
         return self.scaler._per_optimizer_states[id(self.optimizer)]
 
-    def prepare(self, found_inf: torch.Tensor) -> None:
+    def unscaled(self) -> bool:
+        """Whether the user has called ``scaler.unscale_(optimizer)`` in this iteration: its ``param.grad``
+        is divided in place and its step gets no loss scale."""
+        return self._state()["stage"] is torch.amp.grad_scaler.OptState.UNSCALED
+
+    def prepare(self, device: torch.device) -> None:
         """Called when the last bucket of a backward is reduced: what ``scaler.step()`` and
-        ``scaler.update()`` read from now on. Not ``found_inf`` itself, which the side stream writes
-        while the compute stream goes on (``scaler.step()`` sums the flags it holds before it calls
-        ``step()``), but a flag of the compute stream's own, which ``publish`` fills once the side
-        stream's checks are done."""
+        ``scaler.update()`` read from now on. A flag of the compute stream's own, 0-dim as
+        ``scaler.unscale_`` makes them (``scaler.update()`` adds every optimizer's flags together), which
+        ``publish`` fills once the side stream's checks of this optimizer are done."""
         state = self._state()
-        state["found_inf_per_device"] = {found_inf.device: torch.zeros_like(found_inf)}
+        state["found_inf_per_device"] = {device: torch.zeros((), dtype=torch.float32, device=device)}
         state["stage"] = PREPARED
 
     def publish(self, found_inf: torch.Tensor) -> None:
-        """Make the scaler's found-inf tensors hold the global flag (ours from ``prepare``, or after a
-        user's ``unscale_`` that rank's own check). Queued where ``found_inf`` was written, after the
-        compute stream (engine.py, ``_count_skip``)."""
+        """Make the scaler's found-inf tensors of this optimizer hold its own skip flag, all ranks' (ours
+        from ``prepare``, or after a user's ``unscale_`` that rank's own check). Queued where ``found_inf``
+        was written, after the compute stream (stepping.py)."""
         for t in self._state()["found_inf_per_device"].values():
             t.copy_(found_inf.reshape(t.shape).to(t.device, t.dtype))

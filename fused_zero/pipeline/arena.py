@@ -53,7 +53,7 @@ class Arena:
         self.param_at, n_param = [], 0
         for shard in shards:
             self.param_at.append(n_param)
-            n_param += _aligned(shard.layout.numel)
+            n_param += _aligned(shard.param_buffer.numel())
         self.params = torch.zeros(n_param, dtype=dtype, device=device)
         self.formats: dict[str, FormatState] = {}
         for shard in shards:
@@ -63,7 +63,7 @@ class Arena:
         placed = {key: fs.views() for key, fs in self.formats.items()}
         for k, (shard, po) in enumerate(zip(shards, self.param_at)):
             shard.relocate([placed[part.key][k] for part in shard.parts],
-                           self.params[po:po + shard.layout.numel])
+                           self.params[po:po + shard.param_buffer.numel()])
 
 
 class FormatState:

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..options import ShardingOptions, collect_params, group_state_formats
+from ..options import NO_MEMBER, ShardingOptions, collect_params, group_state_formats
 from . import hooks, rebuild
 from .amp import ScalerLink
 from .arena import SingleLaunch
 from .local import LocalModule
 from .members import Member
 from .profiling import range_push
-from .reduction import Reduced, Reduction, UsedFlags
+from .reduction import Reduced, Reduction
 from .registry import ShardRegistry
 from .scratch import Scratch
 from .shard import BucketShard
@@ -43,44 +43,54 @@ from .warmup import compile_kernels
 
 @dataclass
 class _Iteration:
-    """What one synced backward has done so far; replaced when ``step()`` ends it.
+    """What one synced backward has done so far; replaced when it ends (every member has stepped, or, where
+    a member may leave its gradients to accumulate, the next synced backward starts: stepping.py).
 
-    Attributes (per member: a list in the engine's member order, pipeline/members.py):
+    Each member is torch.optim's own optimizer (pipeline/members.py): it steps, scales, skips and refuses
+    on its own, from its own gradients. What the members share is the bucket's reduction and all-gather.
+
+    Attributes (per member: indexed by the member's index):
         hparams: each member's param groups' hyperparameters, read at the iteration's first bucket (in
             overlap="step": at the member's ``step()``).
         hparams_key: what they were then, to tell a later change (StepPolicy.hparams_key).
-        coefs: each member's coefficient table of this iteration (every parameter active), on the
-            update's device; built once, shared by every bucket's launch.
-        stepped: the members whose ``step()`` has been called; the iteration ends with the last.
+        coefs: member -> its coefficient table of this iteration (every parameter active), on the update's
+            device; built once (in overlap="step": at the member's ``step()``), shared by every bucket.
+        counting: the step counts' bound counts this iteration (StepCounts.begin_iteration).
+        clip: the clip coefficient of this iteration (``max_grad_norm``: the global norm of every member's
+            gradients), once computed; in overlap="step" at the first member's ``step()``, as one
+            ``clip_grad_norm_(model.parameters())`` before the steps.
+        stepped: the members whose ``step()`` has been called.
         changed: param-group entries a member's ``step()`` found changed since the update read them.
-        edits: a member's ``step()`` found an edit of ``.grad`` its update cannot honor; ``honored``: one
-            it honors (written back into the reduced buckets).
         invoked: buckets handed to the hook.
         last_invoked: the hook has seen DDP's last bucket.
-        ready: buckets whose reduction was started but which are not updated yet.
-        grad_scale: the loss scale the reduced gradients carry (GradScaler), or None.
-        found_inf: one-element device flag, non-zero once an update of this iteration was skipped
-            (non-finite gradients on some rank, or a user's edit to ``.grad`` that cannot be honored).
-        edited: a user's edit to ``.grad`` (``overlap="step"``: this rank's, then any rank's on CPU).
-        staging: the buckets' copies in ``grad_reduce_dtype`` and the used flags' tables (the relay
-            stream's), kept alive until ``step()`` has made the streams that allocated them wait for the
-            side stream and the reductions using them.
+        ready: buckets whose reduction was started and not waited for yet.
+        waited: buckets whose reduction was waited for. Both keep what a bucket's update reads until the
+            iteration's end has made the streams that allocated it wait for the side stream: the copies in
+            ``grad_reduce_dtype`` and the used flags' tables (the relay stream's).
+        grad_scale: the loss scale the reduced gradients carry (GradScaler), read at the last bucket
+            (overlap="backward"), or None.
+        found_inf: float32 ``[members]`` device flags, non-zero once an update of the member was skipped in
+            this iteration (non-finite gradients of the member on some rank, or an edit of its ``.grad``
+            that cannot be honored).
     """
 
     hparams: list[list[dict]] | None = None
     hparams_key: list | None = None
-    coefs: list[torch.Tensor] | None = None
+    coefs: dict = field(default_factory=dict)
+    counting: bool = False
+    clip: torch.Tensor | None = None
     stepped: set = field(default_factory=set)
     changed: list = field(default_factory=list)
-    edits: bool = False
-    honored: bool = False
     invoked: int = 0
     last_invoked: bool = False
     ready: list[Reduced] = field(default_factory=list)
+    waited: list[Reduced] = field(default_factory=list)
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
-    edited: bool = False
-    staging: list = field(default_factory=list)
+
+    def reduced(self) -> list[Reduced]:
+        """Every bucket reduced in this iteration so far, in bucket order."""
+        return self.waited + self.ready
 
 
 class Engine(Stepping):
@@ -90,19 +100,22 @@ class Engine(Stepping):
 
     Attributes (the main ones):
         members: the optimizers (Member), in the order they attached.
-        params, member_of, group_of, pid_of: the parameters updated (requiring grad), their member and
-            param group there, their index.
+        params, member_of, group_of, pid_of: the parameters DDP reduces (requiring grad), their member and
+            param group there, their index. A parameter no fused_zero optimizer updates has member
+            ``NO_MEMBER`` (options.py): reduced as DDP reduces it, its ``.grad`` DDP's average, and left to
+            its owner (a torch.optim optimizer, or none).
         steps / step_counts: each parameter's step count (replicated on every rank), kept and counted
             on the device; ``steps`` reads it to the host, a wait only checkpoints make (step_counts.py).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
         iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
         scaler: the user's GradScaler (the first member's ScalerLink: each member has its own), or None.
-        graph: ``step()``'s device work replayed from a CUDA graph (``capturable=True``, step_graph.py),
-            or None.
+        graph: ``step()``'s device work replayed from CUDA graphs, one per member (``capturable=True``,
+            step_graph.py), or None.
         scratch: the small tensors that work writes (scratch.py: kept across steps where a graph reads
             them).
-        skipped: steps skipped for non-finite gradients, a device counter (read: ``skipped_steps``).
+        skipped: each member's steps skipped for non-finite gradients, int64 ``[members]`` on the device
+            (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
         grad_sumsq: the global sum of squares of the last update's reduced, unscaled gradients (a device
@@ -125,7 +138,7 @@ class Engine(Stepping):
         self.param_sync = self.options.param_sync
         self.on_nonfinite = self.options.on_nonfinite
         self.params, self.member_of, self.group_of = collect_params([opt.param_groups for opt, _, _ in members], ddp)
-        self.options.check_params(self.params)
+        self.options.check_params([p for p, m in zip(self.params, self.member_of) if m != NO_MEMBER])
         self.pid_of = {p: i for i, p in enumerate(self.params)}
         scaler = self.options.grad_scaler
         self.members = [Member(i, opt, algo, np.flatnonzero(self.member_of == i),
@@ -133,7 +146,8 @@ class Engine(Stepping):
                                ScalerLink(scaler, opt) if scaler is not None else None)
                         for i, (opt, algo, fmt) in enumerate(members)]
         self.scaler = self.members[0].scaler
-        self.state_formats = [self.members[m].group_formats[g] for m, g in zip(self.member_of, self.group_of)]
+        self.state_formats = [self.members[m].group_formats[g] if m != NO_MEMBER else "fp32"
+                              for m, g in zip(self.member_of, self.group_of)]
         self._group_index = {}
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
@@ -152,7 +166,7 @@ class Engine(Stepping):
         self.graph = StepGraph(self.side) if capturable else None
         self.step_counts = StepCounts(len(self.params), self.side)
         self.iteration = _Iteration()
-        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.skipped = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
         self.reduction = Reduction(self, ddp)
         self.updates = Updates(self)
         self.policy = StepPolicy(self)
@@ -162,7 +176,6 @@ class Engine(Stepping):
             self.params, state_names=[m.algo.state_names() for m in self.members],
             keeps_master=self.options.keeps_master, upload=self.side.upload if self.backend == "triton" else None,
             device=self.device, topology=topo, members=self.member_of, state_formats=self.state_formats)
-        self._waiting: dict[int, list] = {}  # one process without DDP: members stepped, until the last
 
         # backward and step modes: one launch per step, dtype, member and format once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
@@ -189,12 +202,11 @@ class Engine(Stepping):
     def layout_changes(self) -> int:
         return self.registry.layout_changes
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because some rank's reduced gradients held an inf or NaN (reading it waits
-        for the device)."""
+    def skipped_steps(self, member: int) -> int:
+        """The member's steps skipped because some rank's reduced gradients of it held an inf or NaN
+        (reading it waits for the device)."""
         self.side.join()
-        return int(self.skipped)
+        return int(self.skipped[member])
 
     @property
     def steps(self) -> np.ndarray:
@@ -233,12 +245,10 @@ class Engine(Stepping):
         shard = self.registry.cached(index, buffer)
         if shard is None:  # a bucket not seen before (DDP's first iterations): read it in full
             pids, offsets = self.registry.read_bucket(bucket, buffer, self.pid_of)
-        if self.iteration.last_invoked:  # a second synced backward: accumulated (step + all_reduce) or refused
-            self.policy.check_second_backward(self.iteration.stepped)
-            for item in self.iteration.ready:  # reduced again from the buckets DDP accumulated into
-                for w in item.works:
-                    w.wait()
-            previous, self.iteration = self.iteration, _Iteration()  # noqa: F841 (alive until the join)
+        if self.iteration.invoked == 0 or self.iteration.last_invoked:  # the first bucket of a backward
+            self.policy.refusals.check(wait=False)  # one another rank made known, before any collective
+        if self.iteration.last_invoked:  # a synced backward before every member stepped after the last one
+            self.backward_before_steps()  # accumulated (step + all_reduce) or refused (stepping.py)
         it = self.iteration
         if it.hparams is None:
             self._start_iteration(it)  # joins the side stream: the previous iteration's copies may go
@@ -248,9 +258,7 @@ class Engine(Stepping):
             shard.encode_held()
         with range_push("fused_zero.reduce"):
             reduced = self.reduction.start(shard, buffer)
-        shard.reduced_buffer = reduced.grad  # a staging copy lives until step() joins the side stream:
-        it.staging += [reduced.grad] if reduced.grad is not buffer else []
-        it.staging += [reduced.active.table] if isinstance(reduced.active, UsedFlags) else []  # the relay's
+        shard.reduced_buffer = reduced.grad  # a staging copy lives with ``reduced`` until the iteration's end
         it.ready.append(reduced)
         it.invoked += 1
         it.last_invoked = bucket.is_last()
@@ -261,7 +269,7 @@ class Engine(Stepping):
                 if self.overlap == "backward":
                     it.grad_scale = self.scaler.scale()
                 for m in self.members:
-                    m.scaler.prepare(it.found_inf)
+                    m.scaler.prepare(self.device)
         if self.overlap == "bucket":
             keep = 0 if (it.last_invoked or self.side.asynchronous) else 1
             self.updates.finish(it, len(it.ready) - keep, each_bucket=True)
@@ -275,7 +283,7 @@ class Engine(Stepping):
         it.hparams = [self._read_hparams(m) for m in self.members]
         it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
-        it.found_inf = self.scratch.take("found_inf", (1,), torch.float32).zero_()
+        it.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
         self.side.follow()
 
     @staticmethod

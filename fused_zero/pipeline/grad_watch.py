@@ -11,6 +11,12 @@ bucket's counter). That costs a host loop over the parameters and no pass over m
 copies the buckets into ``param.grad`` in its own end-of-backward callback, queued after our last
 hook. The hook therefore queues a callback that queues the recording one: autograd runs callbacks
 queued while its callbacks run at the end of the same list, after DDP's.
+
+Every gradient view of one DDP bucket shares the bucket's version counter, so another optimizer over the
+module zeroing its own gradients in place moves the counter of this one's too: fused_zero's optimizers say
+so (``excuse``, from their ``zero_grad``). A torch.optim optimizer over parameters in the same buckets
+cannot: its ``zero_grad(set_to_none=False)`` before a fused_zero optimizer's ``step()`` reads as an edit
+(torch's default, ``set_to_none=True``, replaces the tensor and moves no counter).
 """
 
 from __future__ import annotations
@@ -51,6 +57,27 @@ class GradWatch:
             elif g is not rec[0] or g._version != rec[1]:
                 out.append(i)
         return out
+
+    def versions(self) -> list[int | None]:
+        """Every recorded gradient's version counter now (None where none is recorded, or ``.grad`` is another
+        tensor): what ``excuse`` compares."""
+        if self.seen is None:
+            return []
+        return [rec[1] if rec is not None and p.grad is rec[0] and (rec[1] == p.grad._version) else None
+                for p, rec in zip(self.params, self.seen)]
+
+    def excuse(self, before: list[int | None], zeroed) -> None:
+        """Another optimizer over the module zeroed its own gradients in place (``zero_grad(set_to_none=
+        False)``): gradient views of one DDP bucket share its version counter, so that moved the counter of
+        every gradient of its buckets. Record the new version of each gradient of the other members that
+        was unedited just before (``before``, from ``versions``); one edited before stays edited. ``zeroed``:
+        the indices of the zeroing optimizer's own parameters, whose records stay as they were."""
+        if self.seen is None or not before:
+            return
+        own = {int(i) for i in zeroed}
+        for i, (p, rec, version) in enumerate(zip(self.params, self.seen, before)):
+            if version is not None and i not in own and p.grad is rec[0]:
+                self.seen[i] = (rec[0], rec[0]._version)
 
     def clear(self) -> None:
         self.seen = None

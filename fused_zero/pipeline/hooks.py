@@ -45,14 +45,15 @@ def register(engine, handles: list) -> None:
     removed, comes last."""
     ddp = engine.ddp
     root = ddp.module
+    gathered = {p: pid for p, pid in engine.pid_of.items() if engine.member_of[pid] >= 0}  # not NO_MEMBER's
     for module in root.modules():
-        pids = sorted({engine.pid_of[p] for p in reach(module, root) if p in engine.pid_of})
+        pids = sorted({gathered[p] for p in reach(module, root) if p in gathered})
         if pids or module is root:
             handles.append(module.register_forward_pre_hook(ForwardWait(engine, pids, module is root)))
     # model.state_dict() reads the parameters: give it their updated values
     handles.append(root.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
     if engine.reduction.track_used:
-        for pid, p in enumerate(engine.params):
+        for p, pid in gathered.items():
             handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
     state = HookState(engine)
     try:
@@ -99,14 +100,17 @@ def _comm_hook(state: HookState, bucket):
 
 class ForwardWait:
     """Forward pre-hook: wait for the gathers of the buckets holding the parameters this module's
-    forward can reach (``reach``); the root also orders the compute stream after the side stream."""
+    forward can reach (``reach``); the root also raises a refusal another rank made known and orders
+    the compute stream after the side stream."""
 
     def __init__(self, engine, pids: list[int], root: bool):
         self.engine, self.pids, self.root = engine, pids, root
 
     def __call__(self, module, args):
         if self.root:
-            self.engine.side.join()
+            engine = self.engine
+            engine.policy.refusals.check(wait=False)  # one another rank made known (refusals.py)
+            engine.side.join()
         where = self.engine.registry.where
         for pid in self.pids:
             shard = where[pid][0]

@@ -73,15 +73,18 @@ class LocalModule:
     def register_comm_hook(self, state, hook) -> None:
         self.comm_hook_state = state
 
-    def drive(self, engine) -> bool:
-        """Hand ``engine`` this step's gradients, one bucket per dtype in registration order (the
-        engine's initial layout, so no state moves). False when no parameter has a ``.grad``: then
-        torch.optim's step does nothing, and so does this one."""
+    def drive(self, engine, member) -> bool:
+        """Hand ``engine`` this step's gradients of ``member``'s parameters (pipeline/members.py), one
+        bucket per dtype in registration order (the engine's initial layout, so no state moves); the
+        other members' parameters are handed as having none, and step at their own ``step()``. False when
+        none of the member's parameters has a ``.grad``: then torch.optim's step does nothing, and so does
+        this one."""
+        mine = {int(pid) for pid in member.pids}
         by_dtype: dict[torch.dtype, list[int]] = {}
         for p in self.module.parameters():
             if p in engine.pid_of:
                 by_dtype.setdefault(p.dtype, []).append(engine.pid_of[p])
-        if all(engine.params[pid].grad is None for pids in by_dtype.values() for pid in pids):
+        if all(engine.params[pid].grad is None for pid in mine):
             return False
         for index, (dtype, pids) in enumerate(by_dtype.items()):
             params = [engine.params[pid] for pid in pids]
@@ -89,9 +92,10 @@ class LocalModule:
             grads, offset = [], 0
             for pid, p in zip(pids, params):
                 view = strided_view(buffer[offset:offset + p.numel()], p)  # as DDP lays a gradient out
-                if p.grad is not None:
+                used = pid in mine and p.grad is not None
+                if used:
                     view.copy_(p.grad)
-                engine.reduction.used_local[pid] = p.grad is not None
+                engine.reduction.used_local[pid] = used
                 grads.append(view)
                 offset += p.numel()
             engine.on_bucket(_Bucket(index, buffer, params, grads, index == len(by_dtype) - 1))

@@ -123,7 +123,7 @@ class Reduction:
         buffer, work = reduced.bucket, reduced.future_work
         if work is None:
             return reduced.shard.completed(buffer)
-        if self.grad_reduce == "all_reduce" and reduced.grad is not buffer:
+        if (self.grad_reduce == "all_reduce" or reduced.shard.foreign) and reduced.grad is not buffer:
             grad = reduced.grad
             return work.get_future().then(lambda _: buffer.copy_(grad))
         return work.get_future().then(lambda _: buffer)
@@ -153,6 +153,11 @@ class Reduction:
         before the division, the division rounds again, and so does every addition of the sum; the
         update reads the 16-bit sums into fp32. Then, in place in that copy or in DDP's buffer:
 
+        - where the bucket holds parameters no fused_zero optimizer updates (``shard.foreign``), one
+          all-reduce of the whole bucket over DDP's group, their runs divided by W first as DDP divides
+          them: their ``.grad`` is DDP's average, for the torch.optim optimizer (or the user) that
+          updates them; the rest of the bucket reduces as below would, in ZeRO-1's bytes (an all-reduce);
+
         - one all-reduce of the bucket over DDP's group (``one_all_reduce``), this rank's slice and the
           tail read from it;
         - or the head reduce-scattered within the shard group into this rank's own slice of it (the
@@ -170,7 +175,10 @@ class Reduction:
         grad = buffer if travel == buffer.dtype else buffer.to(travel)
         if self.pre_divides(buffer.dtype):
             grad.div_(self.world)
-        if self.one_all_reduce:
+        else:
+            for off, n in shard.foreign:  # DDP's average, its rounding: divided, then summed
+                grad[off:off + n].div_(self.world)
+        if self.one_all_reduce or shard.foreign:
             work = collectives.all_reduce(grad, self.group)
             return grad, [work], work
         works = []

@@ -151,8 +151,9 @@ class ShardRegistry:
         names = new.names
         if not names:
             return
-        plan = reshard_plan(new.layout, {pid: (self.where[pid][0].layout, self.where[pid][1])
-                                         for pid in new.layout.pids})
+        plan = [t for t in reshard_plan(new.layout, {pid: (self.where[pid][0].layout, self.where[pid][1])
+                                                     for pid in new.layout.pids})
+                if self.members[t.pid] >= 0]  # a parameter no fused_zero optimizer updates has no state
         me = self.rank
         sends = sorted((t for t in plan if t.src == me), key=lambda t: t.dst)  # stable: plan order kept
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.src)

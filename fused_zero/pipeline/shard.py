@@ -155,11 +155,22 @@ def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]
     return rows, spans, at
 
 
+def _runs(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` pieces sorted, the adjacent ones merged."""
+    out: list[list[int]] = []
+    for off, n in sorted(pieces):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += n
+        else:
+            out.append([off, n])
+    return [tuple(r) for r in out]
+
+
 class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
         params: the bucket's parameters, in bucket order; ``pids`` their optimizer indices (numpy),
-            ``members`` their members'.
+            ``members`` their members' (``member_set``: those members, the same on every rank).
         all_active: read-only all-True flags, one per parameter (a bucket where every parameter got a
             gradient, without a new array per bucket and step).
         param_buffer: flat, ``layout.numel`` elements of the parameters' dtype; each parameter's
@@ -170,6 +181,9 @@ class BucketShard:
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
         held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
+        foreign: ``(bucket offset, length)`` runs of the parameters no fused_zero optimizer updates
+            (options.NO_MEMBER), adjacent ones merged: reduced to DDP's average, kept out of the parameter
+            buffer (an empty one where the bucket holds no other parameter), the state and the updates.
     """
 
     def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], *, state_names: list[list[str]],
@@ -180,18 +194,24 @@ class BucketShard:
         self.params = params
         self.pids = np.asarray(layout.pids)  # indexes the optimizer's per-parameter host arrays
         self.members = np.asarray(members, dtype=np.int64)
+        self.member_set = frozenset(int(m) for m in np.unique(self.members) if m >= 0)
         self._device_pids: dict[int, tuple] = {}  # member -> (device pids, their pinned source)
         self.all_active = np.ones(len(self.pids), dtype=bool)  # shared, read-only: every parameter active
         self.all_active.flags.writeable = False
         self.held = False  # some 8-bit moment held in fp32 since a load (load_values)
-        self.param_buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-        present = sorted(set(members))
-        self.names = list(dict.fromkeys(n for m in present for n in state_names[m])) + (["master"] if master else [])
+        # a bucket of parameters no fused_zero optimizer updates only is reduced, never updated or gathered
+        self.param_buffer = torch.zeros(layout.numel if self.member_set else 0, dtype=dtype, device=device)
+        present = sorted(self.member_set)
+        self.names = list(dict.fromkeys(n for m in present for n in state_names[m])) + \
+            (["master"] if master and present else [])
+        self.foreign = _runs([(off, n) for off, n, m in zip(layout.offsets, layout.numels, members) if m < 0])
         counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
         by_key: dict[tuple[int, str], list] = {}
         for so, n, po, go, local, elem in layout.rows():
+            if members[local] < 0:
+                continue  # no fused_zero optimizer's: no state
             counted = counts_slice if so < tail_at else counts_tail
             by_key.setdefault((members[local], state_formats[local]), []).append(
                 ((so, n, po, go, layout.pids[local], elem), counted))
@@ -226,7 +246,9 @@ class BucketShard:
     def bind_params(self) -> None:
         """Copy the parameters' current values into the flat buffer and make them views of it, each
         with its own strides (strides.py: the bucket holds its gradient in that memory order)."""
-        for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels):
+        for p, off, n, m in zip(self.params, self.layout.offsets, self.layout.numels, self.members):
+            if m < 0:
+                continue  # no fused_zero optimizer's: it keeps its storage (its owner updates it)
             view = strided_view(self.param_buffer[off:off + n], p.data)
             view.copy_(p.data)
             p.data = view

@@ -47,41 +47,52 @@ def identity(x) -> object:
 
 
 class StepGraph:
-    """Attributes:
-        captures, replays: how many times a graph was captured, replayed (read by tests and benches).
+    """The graphs of one engine's steps: one per member (each optimizer's ``step()`` is its own device
+    work, pipeline/updates.py), each captured and replayed on its own key.
+
+    Attributes:
+        captures, replays: how many times a graph was captured, replayed, over every member (read by
+            tests and benches).
     """
 
     def __init__(self, side):
         self.side = side
-        self.graph = None
-        self.key = None  # the captured work's
-        self._seen = None  # the last eager work's, to capture the next step that matches it
-        self._kept = None  # the objects whose ids the key holds
+        self._graphs: dict[int, _Graph] = {}
         self.captures = self.replays = 0
 
-    def run(self, objects: tuple, work) -> None:
-        """Queue ``work()``'s device work on the side stream: by replaying the graph captured from an
-        earlier ``work`` of the same key, by capturing it now (then replaying), or eagerly."""
+    def run(self, member: int, objects: tuple, work) -> None:
+        """Queue ``work()``'s device work (``member``'s step) on the side stream: by replaying the graph
+        captured from an earlier ``work`` of the same key, by capturing it now (then replaying), or
+        eagerly."""
+        g = self._graphs.setdefault(member, _Graph())
         key = identity(objects)
-        if self.graph is not None and key == self.key:
-            self._replay()
+        if g.graph is not None and key == g.key:
+            self._replay(g)
             return
-        if key != self._seen:
-            self.graph, self.key, self._seen, self._kept = None, None, key, objects
+        if key != g.seen:
+            g.graph, g.key, g.seen, g.kept = None, None, key, objects
             with range_push("fused_zero.step_eager"):
                 work()
             return
         graph = self.side.api.graph()
         with range_push("fused_zero.step_capture"), graph.capture(self.side.stream):
             work()
-        self.graph, self.key, self._kept = graph, key, objects
+        g.graph, g.key, g.kept = graph, key, objects
         self.captures += 1
-        self._replay()
+        self._replay(g)
 
-    def _replay(self) -> None:
+    def _replay(self, g: _Graph) -> None:
         with range_push("fused_zero.step_replay"), self.side.run(follow_current=False):
-            self.graph.replay()
+            g.graph.replay()
         self.replays += 1
+
+
+class _Graph:
+    """One member's graph: the captured work's key, the last eager work's (to capture the next step that
+    matches it), and the objects whose ids the key holds (kept alive with the graph)."""
+
+    def __init__(self):
+        self.graph = self.key = self.seen = self.kept = None
 
 
 def check_capturable(engine, ddp) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..options import WHOLE_STEP
-from . import collectives
 from .grad_watch import GradWatch
+from .refusals import Refusals
 from .strides import strided_view
 
 
@@ -29,6 +29,7 @@ class StepPolicy:
     def __init__(self, engine):
         self.engine = engine
         self.watch = GradWatch(engine.params)
+        self.refusals = Refusals(engine)
 
     def check_scaler_use(self, member, via_scaler: bool) -> None:
         """A GradScaler steps each optimizer if and only if it was given one."""
@@ -57,9 +58,15 @@ class StepPolicy:
         """A backward that starts while some member has not stepped since the last one."""
         waiting = [m.name for m in self.engine.members if m.index not in stepped]
         done = [m.name for m in self.engine.members if m.index in stepped]
+        e = self.engine
+        ran = "their update ran in the backward" if e.overlap != "step" else \
+            "their gradients were reduce-scattered in place, and adding to them would not give their sum"
         raise RuntimeError(f"a backward started before {', '.join(waiting)} called step() (after "
-                           f"{', '.join(done)} did): every fused_zero optimizer over the DDP module steps once "
-                           "after each synced backward; nothing of this backward was reduced or applied")
+                           f"{', '.join(done)} did): with overlap={e.overlap!r} and grad_reduce={e.grad_reduce!r} "
+                           f"{ran}. Step every fused_zero optimizer over the DDP module after each synced "
+                           "backward, or use overlap='step' with grad_reduce='all_reduce', where an optimizer that "
+                           "does not step keeps its gradients to accumulate, as torch.optim's does. Nothing of "
+                           "this backward was reduced or applied")
 
     def check_second_backward(self, stepped: set) -> None:
         """A synced backward after another one, with no ``step()`` between (gradient accumulation that
@@ -70,10 +77,10 @@ class StepPolicy:
         reduce-scattered in place), and this backward is refused at its first bucket, before anything
         of it is reduced or applied; every rank is at the same bucket, so every rank raises."""
         e = self.engine
+        if e.overlap == "step" and e.grad_reduce == "all_reduce":
+            return  # every member that has not stepped accumulates, as torch.optim's would
         if stepped:
             self.refuse_unstepped(stepped)
-        if e.overlap == "step" and e.grad_reduce == "all_reduce":
-            return
         done = ("the first backward's update already ran inside it" if e.overlap != "step" else
                 "the first backward's gradients were reduce-scattered in place, and adding to them would "
                 "not give their sum")
@@ -130,9 +137,9 @@ class StepPolicy:
         """Make the reduced buckets hold the user's edited ``param.grad`` (with gradient_as_bucket_view
         the edit is there already, unless ``.grad`` was replaced by another tensor)."""
         e = self.engine
-        for item in e.iteration.ready:  # reduced in grad_reduce_dtype: DDP's buffer holds the copied-back
+        for item in e.iteration.reduced():  # reduced in grad_reduce_dtype: DDP's buffer holds the copied-back
             item.shard.reduced_buffer = item.bucket  # average, the fp32 values param.grad views
-        buffers = {id(item.shard): item.bucket for item in e.iteration.ready}
+        buffers = {id(item.shard): item.bucket for item in e.iteration.reduced()}
         for pid in pids:
             shard, local = e.registry.where[pid]
             g = e.params[pid].grad
@@ -143,15 +150,23 @@ class StepPolicy:
             if view.data_ptr() != g.data_ptr() or view.stride() != g.stride():
                 view.copy_(g)
 
-    def any_rank(self, *flags: bool) -> list[bool]:
-        """Whether each flag holds on some rank. On CPU one all-reduce (host values anyway); on CUDA
-        reading it back would synchronize the host, so there each rank answers for itself."""
+    def refuse(self, member, edited: bool, changed: list[str], found: torch.Tensor) -> None:
+        """After ``member``'s ``step()``: raise, on every rank, for what its update could not honor (an
+        edit of its ``.grad``, a hyperparameter set after the update read it; refusals.py agrees on them
+        across ranks), then, with ``on_nonfinite="raise"``, for a skipped step (``found``: its flag)."""
         e = self.engine
-        if e.world == 1 or e.side.asynchronous:
-            return list(flags)
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=e.device)  # the CPU (see above)
-        collectives.all_reduce(t, e.group).wait()
-        return [bool(v > 0) for v in t]
+        if not (e.local or (e.overlap == "step" and e.grad_reduce == "all_reduce")):
+            edited, changed_anywhere = self.refusals.agree(member, edited, bool(changed))
+            if edited:
+                self.refuse_edit()
+            if changed_anywhere:
+                self.refuse_hparams(changed)
+        # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
+        if e.on_nonfinite == "raise" and member.scaler is None and bool(found):
+            raise FloatingPointError(
+                f"{member.name}: its reduced gradients hold an inf or NaN on some rank; its step was skipped "
+                "on every rank (on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts "
+                "skipped_steps)")
 
     def refuse_edit(self) -> None:
         """Raise for an edit that the update could not honor (on every rank that learned of it)."""

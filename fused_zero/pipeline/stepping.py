@@ -1,6 +1,12 @@
-"""``step()``: each fused_zero optimizer's, and the end of the iteration once every one has stepped (the
-updates of overlap="step", the refusals of what ``step()`` cannot honor, the skip count, the streams'
-joins). A part of the Engine (engine.py), kept apart from the comm hook's path."""
+"""``step()``: each fused_zero optimizer's own, as torch.optim's optimizers are independent objects.
+
+A member's ``step()`` applies its update now (overlap="step": from its gradients as they are when it is
+called; the other modes ran it in the backward, with the gradients then), skips on its own overflow,
+publishes its own GradScaler flag and skip count, and refuses what it cannot honor, on every rank. The
+iteration (engine.py) ends once every member has stepped, or, where a member may leave its gradients to
+accumulate (overlap="step" with grad_reduce="all_reduce"), when the next synced backward starts. A part
+of the Engine (engine.py), kept apart from the comm hook's path.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +19,18 @@ from .profiling import range_push
 class Stepping:
     """The Engine's user-facing step (the Engine's attributes: engine.py)."""
 
-    def step(self, member, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> bool:
-        """A member's ``step()``; the last member's ends the iteration (returns True then). ``via_scaler``:
-        called by ``GradScaler.step()``, which passes the loss scale the gradients still carry (None
-        after the user's ``scaler.unscale_``)."""
+    def step(self, member, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> None:
+        """A member's ``step()``. ``via_scaler``: called by ``GradScaler.step()``, which passes the loss
+        scale the gradients still carry (None after the user's ``scaler.unscale_``)."""
         if self.side.api is not None and self.side.api.capturing():
             raise RuntimeError(
                 "optimizer.step() was called inside a CUDA graph capture: it waits for the reductions issued "
                 "in the backward, outside the capture, which CUDA refuses. Call step() eagerly; with "
                 "capturable=True and overlap=\"step\" it captures its own device work once and replays it")
+        self.policy.refusals.check()  # a refusal another rank made known since (step_policy.py)
         if self.local:
-            return self._local_step(member, via_scaler, grad_scale)
+            self._local_step(member, via_scaler, grad_scale)
+            return
         it = self.iteration
         if it.invoked == 0:
             raise RuntimeError("optimizer.step() found no reduced gradients since the last step: run a "
@@ -35,46 +42,63 @@ class Stepping:
         self.policy.check_scaler_use(member, via_scaler)
         it.stepped.add(member.index)
         edited, honored = self.policy.edits(member, via_scaler, grad_scale)
-        it.edits, it.honored = it.edits or bool(edited), it.honored or honored
-        if self.overlap == "step":  # the updates run at the last step(): the hyperparameters as they are now
-            it.hparams[member.index] = self._read_hparams(member)
-        else:  # the update ran with the hyperparameters of the first bucket
-            it.changed += self.policy.hparams_changed(member, it.hparams_key[member.index])
-        if len(it.stepped) < len(self.members):
-            return False
-        self._end_iteration(it, via_scaler, grad_scale)
-        return True
-
-    def _local_step(self, member, via_scaler: bool, grad_scale) -> bool:
-        """One process without DDP: the members' steps are noted until the last, which hands the buckets
-        (local.py) and ends the iteration; False where nothing stepped (no ``.grad`` anywhere)."""
-        self.policy.check_stepped_once(member, set(self._waiting))
-        self.policy.check_scaler_use(member, via_scaler)
-        self._waiting[member.index] = self._read_hparams(member)
-        if len(self._waiting) < len(self.members):
-            return False
-        waiting, self._waiting = self._waiting, {}
-        if not self.ddp.drive(self):
-            return False  # no parameter has a .grad: torch.optim's step does nothing either
-        it = self.iteration
-        it.stepped, it.hparams = set(waiting), [waiting[m.index] for m in self.members]
-        self._end_iteration(it, via_scaler, grad_scale)
-        return True
-
-    def _end_iteration(self, it, via_scaler: bool, grad_scale) -> None:
-        """Every member has stepped: the updates of overlap="step", the refusals, the streams' joins."""
-        self.policy.watch.clear()
-        if self.overlap == "step":
-            it.coefs = None
-            if self.scaler is not None and self.scaler.enabled:
-                it.grad_scale = None if grad_scale is None else grad_scale.reshape(1)
-            it.edited = it.edits
-            self.updates.finish(it, len(it.ready), self.max_grad_norm, follow=it.honored or it.grad_scale is not None)
-            edited_anywhere, changed, changed_anywhere = it.edited, [], False
+        changed = []
+        if self.overlap == "step":  # the update runs now: the hyperparameters as they are now
+            self._step_member(it, member, grad_scale, bool(edited), honored)
+        else:  # the update ran in the backward, with the hyperparameters of the first bucket
+            changed = self.policy.hparams_changed(member, it.hparams_key[member.index])
+        self._count_skip(it, member)
+        if len(it.stepped) == len(self.members):
+            self._end_iteration(it)
         else:
-            changed = it.changed
-            edited_anywhere, changed_anywhere = self.policy.any_rank(it.edits, bool(changed))
-        self._count_skip(it)
+            self._join()
+        self.policy.refuse(member, bool(edited), changed, it.found_inf[member.index:member.index + 1])
+
+    def _step_member(self, it, member, grad_scale, edited: bool, honored: bool) -> None:
+        """overlap="step": the member's update, now."""
+        it.hparams[member.index] = self._read_hparams(member)
+        it.coefs.pop(member.index, None)  # its table is made from its param groups as they are now
+        scale = grad_scale.reshape(1) if grad_scale is not None and member.scaler is not None \
+            and member.scaler.enabled else None
+        self.updates.step_member(it, member, self.max_grad_norm, scale, edited, follow=honored or scale is not None)
+
+    def _local_step(self, member, via_scaler: bool, grad_scale) -> None:
+        """One process without DDP: the member's gradients are handed to the engine as they are now
+        (local.py), and its update runs, as one iteration of its own; nothing where none of its
+        parameters has a ``.grad`` (torch.optim's step does nothing either)."""
+        self.policy.check_scaler_use(member, via_scaler)
+        if not self.ddp.drive(self, member):
+            return
+        it = self.iteration
+        it.stepped.add(member.index)
+        self._step_member(it, member, grad_scale, False, True)
+        self._count_skip(it, member)
+        self._end_iteration(it)
+        self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1])
+
+    def backward_before_steps(self) -> None:
+        """The first bucket of a synced backward that starts before every member stepped after the last
+        one: accumulated where the update reads ``param.grad`` at ``step()`` (overlap="step" with
+        grad_reduce="all_reduce": the members that did not step leave their gradients in the buckets,
+        which this backward adds to and reduces again, as DDP does), refused elsewhere, on every rank,
+        before anything of it is reduced (step_policy.py)."""
+        it = self.iteration
+        self.policy.check_second_backward(it.stepped)
+        for item in it.ready:  # reduced again from the buckets DDP accumulated into
+            for w in item.works:
+                w.wait()
+        if it.stepped:
+            self._end_iteration(it)
+        else:
+            self.side.join()  # the compute stream after the waits above, before the buckets are reused
+            self.iteration = type(it)()  # engine._Iteration
+
+    def _end_iteration(self, it) -> None:
+        """Every member has stepped (or the next backward starts): the arenas' packing once DDP's buckets
+        are stable, the streams' joins."""
+        for item in it.reduced():
+            item.shard.reduced_buffer = None  # every member has read it
+        self.policy.watch.clear()
         if self.single is not None and self.single.step_ended():
             self.synchronize()  # nothing may be pending on the shards while they move
             self.single.pack()
@@ -82,32 +106,28 @@ class Stepping:
                 pass
         self.reduction.end_step()
         self.iteration = type(it)()  # engine._Iteration
+        self._join()
+        rebuild.encode_if_final(self)
+
+    def _join(self) -> None:
+        """The end of a ``step()``: with param_sync="step" every all-gather started is waited for;
+        otherwise the compute stream follows the updates (not the all-gathers): whatever runs before
+        the next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when it
+        rebuilds them, must not overwrite what an update still reads."""
         if self.param_sync == "step":
             with range_push("fused_zero.gather_wait"):  # what param_sync="forward" moves into forward_wait
                 self.synchronize()
         else:
-            # the compute stream follows the updates (not the all-gathers): whatever runs before the
-            # next forward, such as zero_grad(set_to_none=False) or DDP freeing its old buckets when
-            # it rebuilds them, must not overwrite what an update still reads
             self.side.join()
-        rebuild.encode_if_final(self)
-        if edited_anywhere:
-            self.policy.refuse_edit()
-        if changed_anywhere:
-            self.policy.refuse_hparams(changed)
-        # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
-        if self.on_nonfinite == "raise" and self.scaler is None and bool(it.found_inf):
-            raise FloatingPointError(
-                "the reduced gradients hold an inf or NaN on some rank; the step was skipped on every rank "
-                "(on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts skipped_steps)")
 
-    def _count_skip(self, it) -> None:
-        """The step's skip flag into the skipped-step counter and the GradScaler's found-inf tensors.
+    def _count_skip(self, it, member) -> None:
+        """The member's skip flag into its skipped-step counter and its GradScaler's found-inf tensors.
         Both read the flag that the side stream's checks wrote, so they are queued there, after the
         current stream (the user's ``scaler.unscale_`` wrote the scaler's tensors on it); ``step()``
         then orders the current stream after the side stream before anyone reads them."""
+        m = member.index
+        flag = it.found_inf[m:m + 1]
         with self.side.run(follow_current=True):
-            if self.scaler is not None and self.scaler.enabled:
-                for m in self.members:
-                    m.scaler.publish(it.found_inf)
-            self.skipped += it.found_inf.to(torch.int64).reshape(())
+            if member.scaler is not None and member.scaler.enabled:
+                member.scaler.publish(flag)
+            self.skipped[m:m + 1] += flag.to(torch.int64)

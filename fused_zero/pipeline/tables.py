@@ -35,7 +35,8 @@ class CoefficientTables:
         m = e.members[member]
         group_idx = e.group_index(member)
         host = m.algo.coefficients(hparams, group_idx, active * (e.member_of == member), e.reduction.grad_div)
-        scratch = e.scratch.under("table", len(self.pending))  # one step's tables, each its own
+        k = sum(1 for p in self.pending if p[0] == member)
+        scratch = e.scratch.under("member", member, "table", k)  # one step's tables, each its own
         table = self.side.upload(host, out=scratch.take("coefs", host.shape, host.dtype))
         inputs = m.algo.step_inputs(hparams, group_idx, e.step_counts.bound, self._device_groups(member),
                                     self.side.upload, scratch)
@@ -58,25 +59,31 @@ class CoefficientTables:
             self._groups[member] = self.side.upload(torch.from_numpy(groups))
         return self._groups[member]
 
-    def build(self, it, active: np.ndarray) -> list[torch.Tensor]:
-        """Every member's table of this step, rows active where ``active``."""
-        return [self._table(m.index, it.hparams[m.index], active) for m in self.engine.members]
+    def build(self, it, active: np.ndarray, members: list[int]) -> dict[int, torch.Tensor]:
+        """The tables of ``members`` for this step, rows active where ``active``."""
+        return {m: self._table(m, it.hparams[m], active) for m in members}
 
-    def for_bucket(self, it, shard, active: np.ndarray | UsedFlags) -> list[torch.Tensor]:
-        """The tables (one per member) a bucket's update reads: the iteration's shared ones (every row
+    def for_bucket(self, it, shard, active: np.ndarray | UsedFlags, members: list[int]) -> dict[int, torch.Tensor]:
+        """The tables of ``members`` a bucket's update reads: the iteration's shared ones (every row
         active), with this bucket's rows of column 0 set from all-reduced flags on the device, or tables
-        of its own where the host knows that some parameter of the bucket got no gradient."""
+        of its own where the host knows that some parameter of the bucket got no gradient. The shared
+        table of a member is built at its first use in the iteration (in overlap="step", the member's
+        ``step()`` drops it first: its param groups are read then)."""
         n = len(self.engine.params)
-        if it.coefs is None:  # the iteration's first tables, before any of its updates
+        if not it.counting:  # the iteration's first tables, before any of its updates
             self.engine.step_counts.begin_iteration()
-            it.coefs = self.build(it, np.ones(n))
+            it.counting = True
+        missing = [m for m in members if m not in it.coefs]
+        if missing:
+            it.coefs.update(self.build(it, np.ones(n), missing))
+        tables = {m: it.coefs[m] for m in members}
         if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
-            for table in it.coefs:  # another member's rows are read by no launch of this member
+            for table in tables.values():  # another member's rows are read by no launch of this member
                 table[:, 0].index_copy_(0, pids, (used > 0).to(table.dtype))
-            return it.coefs
+            return tables
         if active.all():
-            return it.coefs
+            return tables
         mask = np.ones(n)
         mask[shard.pids] = active
-        return self.build(it, mask)
+        return self.build(it, mask, members)

@@ -78,108 +78,155 @@ class Updates:
         """The engine's side stream (read each time: tests swap in a recording one)."""
         return self.engine.side
 
-    def finish(self, it, count: int, max_norm: float | None = None, follow: bool = False,
-               each_bucket: bool = False) -> None:
-        """Wait for the first ``count`` ready reductions of iteration ``it`` and update those buckets.
+    def finish(self, it, count: int, max_norm: float | None = None, each_bucket: bool = False) -> None:
+        """Overlap modes "bucket" and "backward", in the backward: wait for the first ``count`` ready
+        reductions of iteration ``it`` and update those buckets, every member's parameters.
 
         ``each_bucket`` (overlap="bucket"): every bucket is checked and skipped on its own, also when
         several are updated in one call (on the CPU the last two are): one non-finite bucket must not
         take a finite one with it.
 
         On CUDA the waits are made by the side stream, so the backward's own stream never waits
-        for communication. ``follow``: the side stream also waits for the current stream (the update
-        reads something queued there after the backward: the user's edit of ``.grad``, GradScaler's
-        scale tensor).
+        for communication.
         """
         todo, it.ready = it.ready[:count], it.ready[count:]
         if not todo:
             return
+        e = self.engine
+        members = [m.index for m in e.members]
+        with self.side.run(follow_current=self.world == 1):
+            for item in todo:
+                for w in item.works:
+                    w.wait()
+            it.waited += todo
+            scales = dict.fromkeys(members, it.grad_scale)
+            for group in ([item] for item in todo) if each_bucket else [todo]:
+                self._update(it, group, members, scales, members, max_norm, {})
+
+    def step_member(self, it, member, max_norm: float | None, grad_scale: torch.Tensor | None, edited: bool,
+                    follow: bool) -> None:
+        """Overlap mode "step", in ``member``'s ``step()``: its update of every bucket reduced in this
+        iteration, from its gradients as they are now, skipped (on every rank) if they are not finite
+        on some rank or hold an edit the update cannot honor (``edited``, this rank's). The other members
+        update at their own ``step()``: each optimizer is torch.optim's own. With ``max_grad_norm`` the
+        first member's step computes the clip coefficient from every member's gradients, as one
+        ``clip_grad_norm_(model.parameters())`` before the steps does.
+
+        ``grad_scale``: the loss scale the member's gradients carry (None once ``scaler.unscale_``
+        divided them). ``follow``: the side stream also waits for the current stream (the update reads
+        something queued there after the backward: the user's edit of ``.grad``, GradScaler's scale).
+        """
+        e = self.engine
+        todo, it.ready = it.ready, []
         with self.side.run(follow_current=self.world == 1 or follow):
             for item in todo:
                 for w in item.works:
                     w.wait()
-            if self.engine.graph is not None and it.grad_scale is not None:  # GradScaler hands a new tensor
-                # each step (its scale times 1): the graph reads a copy of its own
-                kept = self.engine.scratch.take("grad_scale", it.grad_scale.shape, it.grad_scale.dtype)
-                it.grad_scale = kept.copy_(it.grad_scale)
-            for group in ([item] for item in todo) if each_bucket else [todo]:
-                self._update(it, group, max_norm)
+            it.waited += todo
+            scales = {m.index: m.scaler.scale() if m.scaler is not None and m.scaler.enabled and
+                      not m.scaler.unscaled() else None for m in e.members}
+            if grad_scale is not None and e.graph is not None:  # GradScaler hands a new tensor each step
+                # (its scale times 1): the graph reads a copy of its own
+                grad_scale = e.scratch.under("member", member.index).take(
+                    "grad_scale", grad_scale.shape, grad_scale.dtype).copy_(grad_scale)
+            scales[member.index] = grad_scale
+            norm = [m.index for m in e.members] if max_norm is not None and it.clip is None else [member.index]
+            self._update(it, it.waited, [member.index], scales, norm, max_norm, {member.index: edited})
 
-    def _update(self, it, items: list[Reduced], max_norm: float | None = None) -> None:
-        """Update ``items`` unless some rank's reduced gradients of them are not finite (then nothing
-        is written, on every rank, and their step counts stay). The host's part first (tables
-        uploaded, launches planned, earlier gathers waited for), then the device work: queued as it
-        goes, or, with ``capturable=True``, captured once in a CUDA graph and replayed (step_graph.py)."""
+    def _update(self, it, items: list[Reduced], members: list[int], scales: dict, norm: list[int],
+                max_norm: float | None, edited: dict) -> None:
+        """Update ``members``' parameters of ``items`` unless some rank's reduced gradients of the member
+        are not finite (then nothing of that member is written, on every rank, and its step counts stay).
+        ``scales``: the loss scale each member's gradients carry (or None); ``norm``: the members whose
+        gradients the overflow / norm pass reads (every member's where the clip coefficient is computed);
+        ``edited``: members with an edit of ``.grad`` that their update cannot honor (this rank's).
+
+        The host's part first (tables uploaded, launches planned, earlier gathers waited for), then the
+        device work: queued as it goes, or, with ``capturable=True``, captured once in a CUDA graph and
+        replayed (step_graph.py)."""
         e = self.engine
-        coefs = [self.tables.for_bucket(it, item.shard, item.active) for item in items]
-        counted = self._counted(items, coefs)  # uploads first, before this call's kernels are queued
-        units = self._launch_units(it, items, coefs)
-        for item in items:
-            item.shard.wait_gather()
+        needed = sorted(set(members) | set(norm))
+        coefs = [self.tables.for_bucket(it, item.shard, item.active, needed) for item in items]
+        counted = self._counted(items, coefs, members)  # uploads first, before this call's kernels are queued
+        units = self._launch_units(it, items, coefs, members)
+        others = [m for m in norm if m not in members]
+        norm_units = [u for u in units if u.member in norm] + \
+            (self._launch_units(it, items, coefs, others) if others else [])
+        for shard in {id(s): s for unit in units for s in unit.shards}.values():
+            shard.wait_gather()
+
+        def work(joined: bool = False) -> None:
+            self._device_work(it, items, coefs, counted, units, norm_units, members, scales, max_norm, edited,
+                              joined)
         if e.graph is None:
-            self._device_work(it, items, coefs, counted, units, max_norm)
+            work()
             return
-        e.graph.run((it.found_inf, it.grad_scale, it.edited, max_norm, self.tables.pending, counted, units),
-                    lambda: self._device_work(it, items, coefs, counted, units, max_norm, joined=True))
+        e.graph.run(members[0] if len(members) == 1 else -1,
+                    (it.found_inf, scales, edited, max_norm, it.clip, self.tables.pending, counted, units,
+                     norm_units), lambda: work(joined=True))
         self.tables.pending = []
-        for item in items:
-            item.shard.reduced_buffer = None
 
     def _device_work(self, it, items: list[Reduced], coefs: list, counted: list, units: list[Unit],
-                     max_norm: float | None, joined: bool = False) -> None:
+                     norm_units: list[Unit], members: list[int], scales: dict, max_norm: float | None,
+                     edited: dict, joined: bool = False) -> None:
         """Everything ``_update`` queues on the device: step columns, checks, updates, counts, gathers. It
         reads device memory only (a CUDA graph can hold it). ``joined``: the side stream waits for the
         gathers too (a graph must join the streams it forks)."""
         e = self.engine
         self.tables.fill_steps()
-        found, clip = self._check(it, units, max_norm)
-        torch.maximum(it.found_inf, found, out=it.found_inf)
-        for j, (pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
-            e.step_counts.count(pids, table, found, e.scratch.under("count", j))
-        args = dict(grad_scale=it.grad_scale, found_inf=found, clip_coef=clip,
-                    stochastic=e.options.stochastic_rounding)
-        for member in e.members:  # what updates in phases with collectives between (Muon), first, on every
-            if member.algo.phased and any(member.index in item.shard.members for item in items):  # rank
-                self._whole(member).step(it, items, [t[member.index] for t in coefs],
-                                         [u for u in units if u.member == member.index], args)
-        gathers = self._gathers(items, units)
+        found = self._check(it, norm_units, scales, max_norm, edited, covers_all=len(norm_units) > 0 and
+                            {u.member for u in norm_units} >= {m.index for m in e.members})
+        for m in members:
+            torch.maximum(it.found_inf[m:m + 1], found[m:m + 1], out=it.found_inf[m:m + 1])
+        for j, (m, pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
+            e.step_counts.count(pids, table, found[m:m + 1], e.scratch.under("member", m, "count", j))
+        args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=it.clip,
+                        stochastic=e.options.stochastic_rounding) for m in members}
+        for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
+            member = e.members[m]
+            if member.algo.phased and any(m in item.shard.member_set for item in items):
+                self._whole(member).step(it, items, [t[m] for t in coefs], [u for u in units if u.member == m],
+                                         args[m])
+        gathers = self._gathers(items, units, members)
         for j, unit in enumerate(units):
             algo = e.members[unit.member].algo
             if not algo.phased:
                 with range_push("fused_zero.update"):
                     algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
-                        unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks, **args))
+                        unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks,
+                        **args[unit.member]))
             gathers(j)
         gathers(len(units))
         if joined:
             for item in items:
                 item.shard.wait_gather()
 
-    def _gathers(self, items: list[Reduced], units: list[Unit]):
-        """``ready(j)``: start, in bucket order, the all-gather of each bucket whose last launch is among
-        the first ``j + 1`` units. The order is every rank's, whatever launches its region needs (a
-        rank whose slice holds none of a member's rows launches nothing for it): collectives pair up by
-        issue order."""
+    def _gathers(self, items: list[Reduced], units: list[Unit], members: list[int]):
+        """``ready(j)``: start, in bucket order, the all-gather of each bucket holding parameters of
+        ``members`` once its last launch is among the first ``j + 1`` units: every member's parameters are
+        current on every rank when its ``step()`` returns, as torch.optim's are (a bucket shared by
+        several optimizers is gathered after each one's update in overlap="step"). Which buckets, and
+        their order, are every rank's, whatever launches its region needs (a rank whose slice holds none
+        of a member's rows launches nothing for it): collectives pair up by issue order."""
         last = {id(s): j for j, unit in enumerate(units) for s in unit.shards}
-        todo = list(items)
+        todo = [item.shard for item in items if item.shard.member_set.intersection(members)]
 
         def ready(j: int) -> None:
-            while todo and last.get(id(todo[0].shard), -1) <= j:
-                item = todo.pop(0)
-                item.shard.reduced_buffer = None
-                self._start_gather(item.shard)  # a skipped update gathers the unchanged parameters
+            while todo and last.get(id(todo[0]), -1) <= j:
+                self._start_gather(todo.pop(0))  # a skipped update gathers the unchanged parameters
         return ready
 
-    def _counted(self, items: list[Reduced], coefs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(device pids, table)`` of the step counts ``items`` add: one per table, over each member's
-        parameters of every bucket that read it (one per member in the steady state of the backward and
-        step modes, where the single launch updates every bucket). Every rank counts every parameter of
-        the bucket, whether its region holds a row of it or not: the counts are replicated."""
+    def _counted(self, items: list[Reduced], coefs: list, members: list[int]) -> list[tuple]:
+        """``(member, device pids, table)`` of the step counts ``members``' update of ``items`` adds: one
+        per table, over the member's parameters of every bucket that read it (one per member in the
+        steady state of the backward and step modes, where the single launch updates every bucket).
+        Every rank counts every parameter of the bucket, whether its region holds a row of it or not:
+        the counts are replicated."""
         by_table: dict[int, tuple] = {}
         for item, tables in zip(items, coefs):
-            for m in np.unique(item.shard.members).tolist():
+            for m in sorted(item.shard.member_set.intersection(members)):
                 by_table.setdefault(id(tables[m]), (tables[m], m, []))[2].append(item.shard)
-        return [(self._device_pids(m, shards), table) for table, m, shards in by_table.values()]
+        return [(m, self._device_pids(m, shards), table) for table, m, shards in by_table.values()]
 
     def _device_pids(self, member: int, shards: list[BucketShard]) -> torch.Tensor:
         """The member's parameter indices of ``shards``, int64 on the device: one shard's own, or a set's
@@ -192,27 +239,26 @@ class Updates:
             kept = self._pids_kept[member] = (list(shards), self.side.upload_kept(torch.from_numpy(pids)))
         return kept[1][0]
 
-    def _launch_units(self, it, items: list[Reduced], coefs: list) -> list[Unit]:
-        """The launches that update ``items``: one per dtype, member and state format when the arenas hold
-        exactly these shards and one table per member serves them all, else one per bucket, member and
-        state format (and always one per part for a member that updates in phases). The norm pass reads
-        each part's counted gradients in its launch."""
+    def _launch_units(self, it, items: list[Reduced], coefs: list, members: list[int]) -> list[Unit]:
+        """The launches that update ``members``' parameters of ``items``: one per dtype, member and state
+        format when the arenas hold exactly these shards and one table per member serves them all, else
+        one per bucket, member and state format (and always one per part for a member that updates in
+        phases). The norm pass reads each part's counted gradients in its launch."""
         e = self.engine
         single = e.single
         phased = {m.index for m in e.members if m.algo.phased}
         launches = single.for_step([item.shard for item in items], skip=phased) if single else None
-        tables = self._one_table(it, items, coefs) if launches is not None else None
+        tables = self._one_table(it, items, coefs, members) if launches is not None else None
         if tables is None:
-            units = [self._part_unit(part, item.shard, t[part.member])
-                     for item, t in zip(items, coefs) for part in item.shard.parts]
-        else:
-            units = [Unit(launch.fs.key[0], launch.rows, launch.segments, launch.blocks, launch.norm_rows,
-                          launch.norm_segments, tables[launch.fs.key[0]], launch.grad(buffers), launch.arena.params,
-                          launch.fs.state, launch.fs.scales, [p for p in launch.fs.parts if p is not None],
-                          [s for s, p in zip(launch.arena.shards, launch.fs.parts) if p is not None])
-                     for launch, buffers in launches]
-            units += [self._part_unit(part, item.shard, tables[part.member])
-                      for item in items for part in item.shard.parts if part.member in phased]
+            return [self._part_unit(part, item.shard, t[part.member])
+                    for item, t in zip(items, coefs) for part in item.shard.parts if part.member in members]
+        units = [Unit(launch.fs.key[0], launch.rows, launch.segments, launch.blocks, launch.norm_rows,
+                      launch.norm_segments, tables[launch.fs.key[0]], launch.grad(buffers), launch.arena.params,
+                      launch.fs.state, launch.fs.scales, [p for p in launch.fs.parts if p is not None],
+                      [s for s, p in zip(launch.arena.shards, launch.fs.parts) if p is not None])
+                 for launch, buffers in launches if launch.fs.key[0] in members]
+        units += [self._part_unit(part, item.shard, tables[part.member])
+                  for item in items for part in item.shard.parts if part.member in phased and part.member in members]
         return units
 
     @staticmethod
@@ -220,27 +266,31 @@ class Updates:
         return Unit(part.member, part.rows, part.segments, part.blocks, part.norm_rows, part.norm_segments, table,
                     shard.reduced_buffer, shard.param_buffer, part.state, part.scales, [part], [shard])
 
-    def _one_table(self, it, items: list[Reduced], coefs: list) -> list[torch.Tensor] | None:
+    def _one_table(self, it, items: list[Reduced], coefs: list, members: list[int]) -> dict | None:
         """One coefficient table per member for every bucket of the step (a parameter is in one bucket
         only): the iteration's shared ones, or ones built from the host's flags where some parameter is
         known to have no gradient; None where neither fits (then one launch per bucket)."""
-        if all(t is coefs[0] for t in coefs):
+        if all(t[m] is coefs[0][m] for t in coefs for m in members):
             return coefs[0]
         if any(isinstance(item.active, UsedFlags) for item in items):
             return None
         mask = np.ones(len(self.engine.params))
         for item in items:
             mask[item.shard.pids] = item.active
-        return self.tables.build(it, mask)
+        return self.tables.build(it, mask, members)
 
-    def _check(self, it, units: list[Unit], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass over this rank's reduced slices of ``units`` (unscaled by the loss scale): the
-        sum of squares and the count of non-finite values, all-reduced with this rank's edit flag in
-        one collective. Returns the skip flag and, with ``max_norm``, the clip coefficient (device
-        tensors: no host sync)."""
+    def _check(self, it, units: list[Unit], scales: dict, max_norm: float | None, edited: dict,
+               covers_all: bool) -> torch.Tensor:
+        """One pass over this rank's reduced slices of ``units`` (each unscaled by its member's loss
+        scale): the sum of squares and each member's count of non-finite values, all-reduced with this
+        rank's edit flags in one collective. Returns each member's skip flag, float32 ``[members]`` (a
+        device tensor: no host sync), and, with ``max_norm``, sets the iteration's clip coefficient where
+        it is not set yet. ``covers_all``: the pass reads every member's gradients (the sum of squares is
+        then the global norm's, which ``engine.grad_sumsq`` holds)."""
         e = self.engine
-        scratch = e.scratch.under("check")
-        stats = scratch.take("stats", (3,), torch.float32).zero_()
+        n = len(e.members)
+        scratch = e.scratch.under("check", *sorted(edited))
+        stats = scratch.take("stats", (1 + 2 * n,), torch.float32).zero_()
         for j, unit in enumerate(units):
             if not unit.norm_rows:
                 continue
@@ -248,24 +298,28 @@ class Updates:
             partials = scratch.take(("rows", j), (max(segments.n_rows, 1), 2), torch.float32) \
                 if segments is not None else None
             norm = scratch.take(("norm", j), (2,), torch.float32)
-            grad_sumsq(e.backend, unit.norm_rows, segments, unit.table, unit.grad, it.grad_scale, out=norm,
+            grad_sumsq(e.backend, unit.norm_rows, segments, unit.table, unit.grad, scales[unit.member], out=norm,
                        partials=partials)
-            stats[:2] += norm
-        stats[2:].fill_(float(it.edited))
+            stats[:1] += norm[:1]
+            stats[1 + unit.member:2 + unit.member] += norm[1:]
+        for m, flag in edited.items():
+            if flag:
+                stats[1 + n + m:2 + n + m].fill_(1.0)
         if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
             collectives.all_reduce(stats, self.check_group).wait()
-        e.grad_sumsq = stats[0]
+        if covers_all:
+            e.grad_sumsq = stats[0]
         # any non-finite count or edit flag (non-negative whole numbers): 1.0, else 0.0
-        found = torch.amax(stats[1:], 0, keepdim=True, out=scratch.take("found", (1,), torch.float32)).clamp_(max=1.0)
-        it.edited = it.edited if self.side.asynchronous else bool(stats[2] > 0)  # a host value on the CPU
-        clip = clip_coefficient(stats[0], max_norm, scratch.take("clip", (1,), torch.float32)) \
-            if max_norm is not None else None
-        return found, clip
+        found = torch.maximum(stats[1:1 + n], stats[1 + n:], out=scratch.take("found", (n,), torch.float32))
+        found.clamp_(max=1.0)
+        if max_norm is not None and it.clip is None:
+            it.clip = clip_coefficient(stats[0], max_norm, e.scratch.take("clip", (1,), torch.float32))
+        return found
 
     def _start_gather(self, shard: BucketShard) -> None:
         """The updated slices of the shard group back into every member's parameter buffer, in place."""
         layout = shard.layout
-        if layout.world_size == 1 or layout.shard == 0:
+        if layout.world_size == 1 or layout.shard == 0 or not shard.member_set:
             return
         lo, hi = layout.slice_of(layout.rank)
         with range_push("fused_zero.all_gather"):

@@ -37,7 +37,6 @@ another stream's use of it is not ordered before that stream.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import traceback
 import types
@@ -244,20 +243,22 @@ def test_no_stream_order_hazard_with_shard_groups_and_bf16_reduction():
 # ---------------------------------------------------------------------- the fixes, reverted
 
 
-def _count_skip_before_the_join(self, it):
+def _count_skip_before_the_join(self, it, member):
     """Defect 1 as it was: the skip counter summed on the compute stream, before it joins the side one."""
-    self.skipped += it.found_inf.to(torch.int64).reshape(())
-    if self.scaler is not None and self.scaler.enabled:
+    m = member.index
+    self.skipped[m:m + 1] += it.found_inf[m:m + 1].to(torch.int64)
+    if member.scaler is not None and member.scaler.enabled:
         with self.side.run(follow_current=True):
-            self.scaler.publish(it.found_inf)
+            member.scaler.publish(it.found_inf[m:m + 1])
 
 
-def _publish_before_the_join(self, it):
+def _publish_before_the_join(self, it, member):
     """Defect 2 as it was: the found-inf flag copied into the GradScaler on the compute stream."""
-    if self.scaler is not None and self.scaler.enabled:
-        self.scaler.publish(it.found_inf)
+    m = member.index
+    if member.scaler is not None and member.scaler.enabled:
+        member.scaler.publish(it.found_inf[m:m + 1])
     with self.side.run(follow_current=True):
-        self.skipped += it.found_inf.to(torch.int64).reshape(())
+        self.skipped[m:m + 1] += it.found_inf[m:m + 1].to(torch.int64)
 
 
 def _start_without_the_flag(self, it):
@@ -308,16 +309,14 @@ def _ring_reusing_a_busy_buffer(self, table):
     return ring[0]
 
 
-class _ForgetfulList(list):
-    def __iadd__(self, other):
-        return self
-
-
-@dataclasses.dataclass
-class _IterationKeepingNoCopy(engine_module._Iteration):
-    """The iteration as it would be without holding the bf16 staging copies until step()'s join."""
-
-    staging: list = dataclasses.field(default_factory=_ForgetfulList)
+def _end_dropping_the_copies(real):
+    def end_dropping_the_copies(self, it):
+        """The iteration's end as it would be if it let go of the bf16 staging copies before the join."""
+        for item in it.reduced():
+            item.shard.reduced_buffer = None
+        it.waited, it.ready = [], []
+        return real(self, it)
+    return end_dropping_the_copies
 
 
 def _across_without_waiting(self, works, piece):
@@ -379,7 +378,8 @@ REVERTED = {
     "update not waiting for the reduction": (
         [(Updates, "finish", _finish_without_waiting(Updates.finish))], BASE, "collectives.reduce_scatter"),
     "bf16 staging copy freed before the join": (
-        [(engine_module, "_Iteration", _IterationKeepingNoCopy)], {**BASE, "reduce_dtype": torch.bfloat16},
+        [(engine_module.Engine, "_end_iteration", _end_dropping_the_copies(engine_module.Engine._end_iteration))],
+        {**BASE, "reduce_dtype": torch.bfloat16},
         "freed while in use"),
     "8-bit block index on the host": (
         [(formats.BlockTable, "slots", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},

@@ -1,0 +1,106 @@
+"""What ``step()`` refuses, raised on every rank, whichever rank saw it.
+
+A ``step()`` refuses what its update could not honor (step_policy.py): an edit of ``.grad``, a
+hyperparameter set after the update read it. Each rank sees its own loop, so a change made on some
+ranks only (a scheduler stepped under ``if rank == 0``) is seen there only; a rank that raised alone
+would leave the others waiting in their next collective for it. So every rank's flags are all-reduced
+at every ``step()`` of a mode that may refuse:
+
+- on the CPU (gloo's host-blocking collectives), at once: every rank raises in the same ``step()``;
+- on CUDA, where reading a device value back waits for the device, the flags ride an all-reduce queued
+  on the relay stream (not behind the updates) and copied into pinned memory. A rank that saw the change
+  raises at once, after queueing its flags; every other rank raises at its next forward, synced
+  backward or ``step()``, whichever first finds the copy done (``event.query()``, no wait); a ``step()``
+  that finds a copy of an earlier step not done yet waits for it, which bounds the host's run-ahead to
+  one step there, so the other ranks raise, at the latest, at the step after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import collectives
+
+FLAGS = ("edited", "changed")
+"""What a ``step()`` may refuse: an edit of ``.grad`` it cannot honor, param groups changed after the update
+read them."""
+
+
+@dataclass
+class _Entry:
+    """One ``step()``'s flags on their way to every rank (CUDA)."""
+
+    member: str
+    event: object
+    host: torch.Tensor  # pinned: every rank's flags, summed, once ``event`` has passed
+    mine: tuple[bool, ...]
+    step: int
+
+
+class RefusedOnAnotherRank(RuntimeError):
+    """A ``step()`` refused on another rank: raised on this one too, so that no rank waits for it."""
+
+
+class Refusals:
+    """Attributes:
+        pending: the entries whose flags this rank has not read yet (CUDA), oldest first.
+        steps: the ``step()`` calls that queued flags so far.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pending: list[_Entry] = []
+        self.steps = 0
+        self._spare: list[torch.Tensor] = []  # pinned buffers of the entries read
+
+    def agree(self, member, *flags: bool) -> list[bool]:
+        """Whether each of ``member``'s ``step()`` flags holds on some rank: on the CPU, every rank's
+        now; on CUDA this rank's now, the others' later (``check``)."""
+        e = self.engine
+        if e.world == 1:
+            return list(flags)
+        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        if not e.side.asynchronous:
+            collectives.all_reduce(values, e.group).wait()
+            return [bool(v > 0) for v in values]
+        self.steps += 1
+        side = e.side
+        with side.run(follow_current=False, relay=True):
+            flags_on_device = side.upload(values, relay=True)
+            collectives.all_reduce(flags_on_device, e.group).wait()  # the relay stream waits, not the host
+            host = self._spare.pop() if self._spare else side.api.pinned_empty(values.shape, values.dtype)
+            side.api.to_host(flags_on_device, host)
+            event = side.api.event()
+            event.record(side.relay)
+        self.pending.append(_Entry(member.name, event, host, tuple(flags), self.steps))
+        return list(flags)
+
+    def check(self, wait: bool = True) -> None:
+        """Raise for a refusal another rank made known: read every entry whose copy is done (no wait);
+        with ``wait`` (at ``step()``), wait for the entries of earlier steps than the last one."""
+        while self.pending:
+            entry = self.pending[0]
+            if not entry.event.query():
+                if not (wait and entry.step < self.steps):
+                    return
+                entry.event.synchronize()
+            self.pending.pop(0)
+            seen = [bool(v > 0) for v in entry.host.tolist()]
+            self._spare.append(entry.host)
+            others = [name for name, s, m in zip(FLAGS, seen, entry.mine) if s and not m]
+            if others and not any(entry.mine):
+                self.pending.clear()
+                raise RefusedOnAnotherRank(_message(entry.member, others, self.engine))
+
+
+def _message(member: str, flags: list[str], engine) -> str:
+    what = {"edited": "param.grad was changed between backward and optimizer.step()",
+            "changed": "param_groups changed between backward and optimizer.step()"}
+    return (f"{member}: on another rank, {' and '.join(what[f] for f in flags)} in its last step(), which "
+            f"overlap={engine.overlap!r} with grad_reduce={engine.grad_reduce!r} cannot honor, and that rank "
+            "raised: this rank raises too, rather than wait for it in the next collective. The change was made "
+            "on some ranks only: make it on every rank (a scheduler or a clip under `if rank == 0` makes the "
+            "replicas differ under DDP + torch.optim too), and see that rank's error for the option that "
+            "honors it")
