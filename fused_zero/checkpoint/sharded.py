@@ -52,8 +52,11 @@ process, plain tensors) the moments are saved decoded to fp32, as format 2 saved
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -78,24 +81,31 @@ STORED = {torch.uint8: "8bit", torch.bfloat16: "bf16"}
 class _Stored(LocalShardsWrapper):
     """A rank's chunks of one compact moment: written as stored (8-bit codes, bf16), received in fp32.
 
-    One dict serves ``dcp.save`` and ``dcp.load``, as torch's own state dicts do, and a load must take
-    any format a checkpoint holds (fp32 moments into an 8-bit optimizer, a format-2 checkpoint's decoded
-    ones): a uint8 chunk would truncate them. DCP asks a checkpointable object for write items only to
-    save (``__create_write_items__``) and for its chunk list only to load (``__create_chunk_list__``),
-    so the chunk list allocates fp32 chunks to receive into, and ``__get_tensor_shard__`` hands those
-    out unless the object is being saved. fp32 holds every 8-bit code and bf16 value exactly; the codes
-    are decoded with the saved scales in ``load_sharded_state_dict``.
+    One dict serves ``dcp.save`` and ``dcp.load``, in either order and again, as torch's own state dicts
+    do, and a load must take any format a checkpoint holds (fp32 moments into an 8-bit optimizer, a
+    format-2 checkpoint's decoded ones): a uint8 chunk would truncate them. DCP asks a checkpointable
+    object for its chunk list only to load (``__create_chunk_list__``), so that allocates fp32 chunks to
+    receive into, once; fp32 holds every 8-bit code and bf16 value exactly, and the codes are decoded
+    with the saved scales in ``load_sharded_state_dict``. What the object holds is its stored chunks
+    until a load, then what the load received: a save writes that (``__create_write_items__``: the
+    received chunks in fp32, with the loaded checkpoint's ``fused_zero`` entry, which the load put into
+    the dict, saying how to read them), so ``dcp.load`` then ``dcp.save`` writes the checkpoint that was
+    loaded, and ``dcp.save`` then ``dcp.load`` reads what was saved.
     """
 
     @staticmethod
     def __new__(cls, chunks, offsets):
         out = LocalShardsWrapper.__new__(cls, chunks, offsets)
-        out.received, out.saving = None, False
+        out.received = None
         return out
 
     def __create_write_items__(self, fqn, obj):
-        self.saving = True
-        return super().__create_write_items__(fqn, obj)
+        items = super().__create_write_items__(fqn, obj)
+        if self.received is None:
+            return items
+        props = TensorProperties.create_from_tensor(self.received[0]) if self.received else None
+        return [dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, properties=props))
+                for item in items]
 
     def __create_chunk_list__(self):
         if self.received is None:
@@ -104,7 +114,7 @@ class _Stored(LocalShardsWrapper):
 
     def __get_tensor_shard__(self, index):
         shard = super().__get_tensor_shard__(index)
-        if self.saving or self.received is None:
+        if self.received is None:
             return shard
         return next(r for t, r in zip(self.local_shards(), self.received) if t is shard)
 

@@ -19,7 +19,10 @@ across the replicas (the network). The state per rank is then 1/S of torch.optim
 
 Every rank derives the same groups from the same information, so construction agrees on every rank,
 and refuses on every rank, naming the fix. Groups made here are cached by their ranks: building another
-optimizer over the same sharding makes no new process group.
+optimizer over the same sharding makes no new process group. Each is made by its own members only
+(``use_local_synchronization``), never as a collective of the whole world: DDP may run on a subgroup of
+it (torch's own DDP tests use ``{0, 2}`` and ``{1, 3}``), and the ranks outside DDP's group, training
+another replica group or not training at all, never call into fused_zero.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch.distributed as dist
 from . import collectives
 
 _GROUPS: dict[tuple, object] = {}
-"""Process groups made here, by their global ranks (``dist.new_group`` is a collective of every rank), under
-the default process group ``_GROUPS_WORLD`` holds (see ``_group``)."""
+"""Process groups made here, by their global ranks (None for one this rank is not a member of), under the
+default process group ``_GROUPS_WORLD`` holds (see ``_group``)."""
 _GROUPS_WORLD: list = [None]
 
 
@@ -226,12 +229,8 @@ def _check_tiling(groups, world: int, what: str) -> list[tuple[int, ...]]:
 
 
 def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine: int):
-    """The process group of ``groups[mine]``, after making (or finding) one for every group: new_group is a
-    collective of every rank, called for every group in the same order."""
-    made = []
-    for members in groups:
-        made.append(_group(tuple(members), members))
-    return made[mine]
+    """The process group of ``groups[mine]`` (this rank's), made by its members (or found)."""
+    return _group(tuple(groups[mine]), groups[mine])
 
 
 def post_update_groups(topo: Topology) -> tuple[object, object]:
@@ -239,8 +238,8 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
     collectives that wait for an update (the all-gathers, the overflow / norm check's all-reduce) in
     ``overlap="bucket"``. A communicator runs its collectives in issue order, so on the reductions' own
     groups the next bucket's reduction would queue behind this bucket's update (docs/design.md "Issue
-    order per communicator"). Made once per set of ranks, by every rank in the same order; where a
-    twin would not number its ranks as the group it stands for, the group itself is used."""
+    order per communicator"). Made once per set of ranks, by its members, in the same order on each;
+    where a twin would not number its ranks as the group it stands for, the group itself is used."""
     ddp_ranks = tuple(sorted(r for members in topo.global_ranks for r in members))
     check = _twin([ddp_ranks], 0)
     gather = topo.shard_group
@@ -254,20 +253,19 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
 
 
 def _twin(groups, mine: int):
-    made = []
-    for members in groups:
-        made.append(_group(("post-update", *sorted(members)), sorted(members)))
-    return made[mine]
+    members = sorted(groups[mine])
+    return _group(("post-update", *members), members)
 
 
 def _group(key: tuple, members) -> object:
-    """The group made for ``key``, made now if it is not made yet. The groups belong to the default
-    process group they were made under: after ``destroy_process_group`` and a new
-    ``init_process_group`` (a second run in one process) they are made anew, not handed out destroyed."""
+    """This rank's group of ``members`` (global ranks) made for ``key``, made now, by its members alone, if
+    it is not made yet. The groups belong to the default process group they were made under: after
+    ``destroy_process_group`` and a new ``init_process_group`` (a second run in one process) they are
+    made anew, not handed out destroyed."""
     world = dist.group.WORLD
     if _GROUPS_WORLD[0] is not world:
         _GROUPS.clear()
         _GROUPS_WORLD[0] = world
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(members))
+        _GROUPS[key] = dist.new_group(list(members), use_local_synchronization=True)
     return _GROUPS[key]

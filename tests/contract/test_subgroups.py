@@ -1,0 +1,59 @@
+"""DDP on process subgroups of a 4-rank world, as torch's own DDP tests lay them out (``{0, 2}, {1, 3}``)
+and as nodes do (``{0, 1}, {2, 3}``): every group fused_zero makes is made by its own members, never as
+a collective of ranks outside DDP's group (the contract suite: conftest.py).
+
+Each replica group trains its own model against DDP + torch.optim on the same subgroup: every overlap
+mode and reduction, with shard groups of one rank (each rank a replica: its shard group made by itself,
+the replicas' all-reduce on DDP's subgroup), Muon beside AdamW, and fused_zero on one subgroup only
+while the other trains with torch.optim.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from distributed import run_ranks
+from harness import optimizer, split, twin
+from test_several_optimizers import MATRICES, MODES, _plain_loop
+
+LAYOUTS = {"strided": [[0, 2], [1, 3]], "blocks": [[0, 1], [2, 3]]}
+
+
+def _make(kinds, names, fused_here: bool, **options):
+    def make(model, ddp, fused, run):
+        first, rest = split(model, names)
+        use = fused and fused_here
+        opts = dict(ddp=ddp, **options) if use else {}
+        return [optimizer(kinds[0], first, use, **opts), optimizer(kinds[1], rest, use, **opts)]
+    return make
+
+
+def _subgroups(rank, world, layout, cases):
+    groups = [dist.new_group(ranks) for ranks in LAYOUTS[layout]]  # every rank makes both, as torch's tests do
+    mine = next(i for i, ranks in enumerate(LAYOUTS[layout]) if rank in ranks)
+    out = []
+    for kinds, mode, shard, fused_groups in cases:
+        overlap, reduce = mode
+        names = MATRICES if kinds[0] == "Muon" else ("emb", "l1", "norm")
+        options = dict(overlap=overlap, grad_reduce=reduce, shard_group=shard)
+        twin(rank, world, _plain_loop, _make(kinds, names, mine in fused_groups, **options), steps=4,
+             group=groups[mine])
+        out.append((kinds, mode, shard, "ok"))
+    return out
+
+
+def test_ddp_on_strided_subgroups():
+    """``{0, 2}`` and ``{1, 3}``: every mode, flat and with shard groups of one; Muon + AdamW in three
+    modes; fused_zero on ``{0, 2}`` only (``{1, 3}`` trains with torch.optim) in two."""
+    cases = [(("AdamW", "SGD"), mode, shard, (0, 1)) for mode in MODES for shard in (None, 1)]
+    cases += [(("Muon", "AdamW"), mode, None, (0, 1)) for mode in MODES[::2]]
+    cases += [(("AdamW", "SGD"), mode, None, (0,)) for mode in (MODES[0], MODES[-1])]
+    for results in run_ranks(_subgroups, 4, "strided", cases):
+        assert all(r[-1] == "ok" for r in results), results
+
+
+def test_ddp_on_blocks_of_ranks():
+    """``{0, 1}`` and ``{2, 3}``: the three overlap modes, Muon + AdamW in one."""
+    cases = [(("AdamW", "SGD"), mode, None, (0, 1)) for mode in MODES[1::2]]
+    cases += [(("Muon", "AdamW"), MODES[2], 1, (0, 1))]
+    for results in run_ranks(_subgroups, 4, "blocks", cases):
+        assert all(r[-1] == "ok" for r in results), results
