@@ -13,7 +13,8 @@ The tables stay small: ``1 - beta ** t`` is exactly 1.0 in float64 once ``beta *
 2**-54, from step ``saturation(beta)`` on (356 for 0.9, 37,412 for 0.999), and every later step reads
 that entry (the counts are clamped to it). Up to it a table covers the host's bound of the counts
 (``StepCounts.bound``) and doubles when that passes it, so a ``beta2`` of 0.9999999 costs what its
-steps so far need, not 16 bytes times its 3.7e8 steps up front.
+steps so far need, not 16 bytes times its 3.7e8 steps up front. Betas that change every step (a
+scheduler's ``cycle_momentum``) rewrite the same table (``BiasTables``).
 
 The fill is 9 small device ops per table (one table per iteration in the steady state) and the count 5
 per table read (one in backward and step modes): docs/performance.md has their host time.
@@ -44,32 +45,63 @@ def saturation(beta: float) -> int:
 
 class BiasTables:
     """Adam's two bias corrections per param group and step, float64 on the device: ``[G * (L + 1), 2]``
-    (``1 - beta1 ** t``, ``(1 - beta2 ** t) ** 0.5``; step 0 unused), rebuilt only when a group's betas
-    change or the counts outgrow ``L``; with each parameter's first row (``base``), so that a table's
-    fill gathers both corrections in one op."""
+    (``1 - beta1 ** t``, ``(1 - beta2 ** t) ** 0.5``; step 0 unused), with each parameter's first row
+    (``base``), so that a table's fill gathers both corrections in one op.
+
+    One device table, rewritten in place when a group's betas change (a scheduler with
+    ``cycle_momentum``, OneCycleLR's and CyclicLR's default, changes beta1 every step): its address and
+    shape stay, so its uploads reuse one pinned buffer and a CUDA graph that reads it keeps replaying
+    (the betas reach the replay through device memory, as lr does). Only the columns whose beta changed
+    are computed again, up to that beta's saturation step (1.0 after it): a step of OneCycleLR costs
+    ``saturation(beta1)`` powers on the host (356 at 0.9). ``L`` only grows: doubled when the counts'
+    bound passes it, up to the largest saturation step of the betas seen."""
 
     def __init__(self):
-        self.key, self.full, self.length, self.both, self.base = None, 0, -1, None, None
+        self.betas: list[tuple[float, float]] | None = None  # what the host table holds, per group
+        self.length = -1  # L
+        self.full = 0  # the largest saturation step of the betas held
+        self.host: np.ndarray | None = None  # [G, L + 1, 2]
+        self.both: torch.Tensor | None = None
+        self.base: torch.Tensor | None = None
 
     def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload, first: int = 32) -> BiasTables:
         """``first``: the length a new table starts at (where a CUDA graph reads it, a growth is a
         recapture: pipeline/step_graph.py asks for 65,536, which holds 0.999's 37,412 steps)."""
-        betas = tuple(tuple(float(b) for b in g["betas"]) for g in groups)
-        same = betas == self.key
-        if not same:  # the saturation steps, searched once per set of betas, not every table
-            self.full = max(saturation(b) for pair in betas for b in pair)
-        full = self.full
+        betas = [tuple(float(b) for b in g["betas"]) for g in groups]
+        if betas == self.betas and self.length >= min(self.full, bound):
+            return self
+        full = self.full if betas == self.betas else max(saturation(b) for pair in betas for b in pair)
         need = min(full, bound)
-        if not same or self.length < need:
-            grown = 2 * self.length if same else first
-            length = min(full, max(need, grown))
-            t = np.arange(length + 1, dtype=np.float64)
-            both = np.stack([np.stack([1 - np.power(b1, t), np.power(1 - np.power(b2, t), 0.5)], axis=-1)
-                             for b1, b2 in betas])
-            self.key, self.length = betas, length
-            self.both = upload(torch.from_numpy(both.reshape(-1, 2)))
-            self.base = group * (length + 1)
+        if self.host is None or self.host.shape[0] != len(betas) or self.length < need:
+            length = min(full, max(need, first if self.host is None else 2 * self.length))
+            self.length = max(length, self.length if self.host is not None else -1)
+            self.host = np.ones((len(betas), self.length + 1, 2), dtype=np.float64)
+            self.betas = [(None, None)] * len(betas)
+            self.both = None
+        changed = False
+        for g, (pair, held) in enumerate(zip(betas, self.betas)):
+            for c, (beta, was) in enumerate(zip(pair, held)):
+                if beta != was:
+                    _column(self.host[g, :, c], beta, c)
+                    changed = True
+        self.betas, self.full = betas, full
+        if self.both is None:
+            self.both = upload(torch.from_numpy(self.host.reshape(-1, 2)))
+            self.base = group * (self.length + 1)
+        elif changed:
+            upload(torch.from_numpy(self.host.reshape(-1, 2)), out=self.both)
         return self
+
+
+def _column(out: np.ndarray, beta: float, column: int) -> None:
+    """One bias correction over steps ``0 .. len(out) - 1`` into ``out``: ``1 - beta ** t`` (column 0) or
+    ``(1 - beta ** t) ** 0.5`` (column 1), computed up to ``saturation(beta)`` and 1.0 from there on (both
+    are exactly 1.0 there)."""
+    n = min(len(out), saturation(beta) + 1)
+    t = np.arange(n, dtype=np.float64)
+    value = 1 - np.power(beta, t)
+    out[:n] = value if column == 0 else np.power(value, 0.5)
+    out[n:] = 1.0
 
 
 def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, both: torch.Tensor, base: torch.Tensor,

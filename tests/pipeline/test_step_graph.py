@@ -7,7 +7,8 @@ from outside it, a stream not joined back, host work.
 - Parity: 2 ranks, the engine replaying its graph against DDP + torch.optim run on the same data, every
   parameter compared bit for bit after every step, with an lr scheduler changing lr every step (it must
   reach the replays through device memory), and the optimizer state at the end. AdamW with clipping,
-  Adam (amsgrad) with a GradScaler and param_sync="forward", AdamW with 8-bit moments.
+  Adam (amsgrad) with a GradScaler and param_sync="forward", AdamW with 8-bit moments, Adam under
+  OneCycleLR, whose ``cycle_momentum`` changes beta1 every step (the bias tables too).
 - The graph is captured once DDP's buckets and the arenas are stable, replayed every step after, and
   its capture has no problem; the replayed steps make no host synchronization on the step path and
   the checker finds no hazard.
@@ -39,7 +40,16 @@ CONFIGS = {  # the oracle: torch.optim under DDP, or the engine stepping eagerly
     "adam-scaler-forward": dict(opt="Adam", kw=dict(amsgrad=True), scaler=True, param_sync="forward",
                                 oracle="torch"),
     "adamw-8bit": dict(opt="AdamW", kw=dict(state_format="8bit"), param_sync="step", oracle="eager"),
+    # OneCycleLR's cycle_momentum: beta1 changes every step, and reaches the replays through device memory
+    "adam-onecycle": dict(opt="Adam", kw=dict(weight_decay=0.05), param_sync="step", oracle="torch",
+                          schedule="onecycle"),
 }
+
+
+def _schedule(opt, cfg):
+    if cfg.get("schedule") == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
 
 def _models():
@@ -88,7 +98,7 @@ def train_captured(rank, world, name):
             ref_opt = getattr(torch.optim, cfg["opt"])(ref_ddp.parameters(), **kw) if cfg["oracle"] == "torch" else \
                 getattr(fused_zero, cfg["opt"])(ref_ddp.parameters(), ddp=ref_ddp, grad_scaler=ref_scaler, **options,
                                                 **kw)
-        schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref_opt)]
+        schedules = [_schedule(o, cfg) for o in (opt, ref_opt)]
         differences, replays = [], []
         try:
             for step in range(1, STEPS + 1):
