@@ -15,11 +15,15 @@ phases, every one of them issued on every rank of the shard group in the same or
 So each matrix's Newton-Schulz runs once per shard group and step, the momentum stays 1/S per rank,
 and the exchange moves each slice element twice in bf16 (4 bytes) beyond ZeRO-1's reduce-scatter and
 all-gather (docs/design.md, "Muon", weighs the alternatives). A step whose gradients are not finite
-changes nothing and exchanges nothing (the skip flag is the same on every rank); a parameter with no
-gradient this step is skipped, as torch skips ``p.grad is None``.
+changes nothing (the skip flag is the same on every rank); a parameter with no gradient this step is
+skipped, as torch skips ``p.grad is None``.
 
-The phases run with the param groups' host values and read the skip flag and the active flags on the
-host: on CUDA, one host wait per step of a Muon optimizer.
+Both flags stay on the device: the host never reads them, so the phases can run inside DDP's comm hook
+(overlap="bucket") without making the backward wait for the device. Every phase runs for every matrix
+of the buckets, whatever the flags (the exchange's sizes are the host's), and the two writes, the
+momentum and the parameter, take the new value only where the matrix's flags allow it
+(``torch.where``: the same bits as the update in place). A skipped step, or a matrix without a gradient
+(``find_unused_parameters``), costs its exchange and its Newton-Schulz all the same.
 """
 
 from __future__ import annotations
@@ -68,13 +72,7 @@ class WholeMatrix:
         column 0: which parameters got a gradient); ``units``: its launches of them on this rank (one
         per part: the rows of this rank's region)."""
         found = args.get("found_inf")
-        if found is not None and float(found) != 0.0:
-            return
-        on = {}
-        for table in tables:
-            if id(table) not in on:
-                on[id(table)] = table[:, 0].tolist()
-        mats = self._matrices(items, [on[id(t)] for t in tables])
+        mats = self._matrices(items, tables, found)
         live = {pid for pid, _, _ in mats}
         rows = {}  # pid -> [(unit, row)] in element order
         for unit in units:
@@ -93,16 +91,19 @@ class WholeMatrix:
             back = self._exchange(self._results_out(mats, results), self._back_sizes(mats))
             self._apply(mats, rows, results, back, hp)
 
-    def _matrices(self, items, on: list[list[float]]) -> list[tuple]:
-        """``(pid, layout, local)`` of every matrix of ``items`` that got a gradient, in bucket order:
-        every rank's order, whatever its region holds."""
-        out = []
-        for item, active in zip(items, on):
+    def _matrices(self, items, tables: list[torch.Tensor], found: torch.Tensor | None) -> list[tuple]:
+        """``(pid, layout, local)`` of every matrix of ``items``, in bucket order (every rank's order,
+        whatever its region holds); ``self.ok[pid]``: whether its update is written (a device flag: the
+        step is not skipped, and the matrix got a gradient, column 0 of its bucket's table)."""
+        out, self.ok = [], {}
+        for item, table in zip(items, tables):
             lay = item.shard.layout
             for local in sorted(range(len(lay.pids)), key=lay.offsets.__getitem__):
                 pid = lay.pids[local]
-                if item.shard.members[local] == self.member.index and active[pid] != 0.0:
+                if item.shard.members[local] == self.member.index:
                     out.append((pid, lay, local))
+                    active = table[pid:pid + 1, 0] != 0
+                    self.ok[pid] = active if found is None else active & (found == 0)
         return out
 
     def _momentum(self, mats, rows, hp, args) -> tuple[dict, list]:
@@ -120,7 +121,7 @@ class WholeMatrix:
             for unit, (so, n, _, go, _, elem) in rows.get(pid, ()):
                 grad = muon.gradient(unit.grad[go:go + n], float(e.reduction.grad_div[pid]), inv, args.get("clip_coef"))
                 piece = muon.momentum_update(grad, unit.state["momentum_buffer"][so:so + n], g["momentum"],
-                                             g["nesterov"])
+                                             g["nesterov"], self.ok[pid])
                 if self.owner[pid] == self.rank:
                     inputs[pid][elem:elem + n] = piece
                 elif go < lay.head:
@@ -195,7 +196,7 @@ class WholeMatrix:
                     at[owner] += n
                 master = unit.state.get("master")
                 target = master[so:so + n] if master is not None else unit.param[po:po + n]
-                muon.apply(target, ortho, g["lr"], g["weight_decay"], step_lr)
+                muon.apply(target, ortho, g["lr"], g["weight_decay"], step_lr, self.ok[pid])
                 if master is not None:
                     unit.param[po:po + n].copy_(target)
 

@@ -107,12 +107,14 @@ def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
     return grad_scale.double().reciprocal().float()
 
 
-def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-    """Advance the momentum ``buf`` (a piece, in place) and return the piece of Newton-Schulz's input in
-    bf16 (what ``_zeropower_via_newtonschulz`` casts it to first: the cast is elementwise, so the
-    pieces travel in bf16)."""
-    buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if nesterov else buf
+def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
+                    ok: torch.Tensor) -> torch.Tensor:
+    """Advance the momentum ``buf`` (a piece, in place) where ``ok`` (a device flag: the step is not skipped)
+    and return the piece of Newton-Schulz's input in bf16 (what ``_zeropower_via_newtonschulz`` casts it
+    to first: the cast is elementwise, so the pieces travel in bf16)."""
+    new = buf.lerp(grad, 1 - momentum)
+    buf.copy_(torch.where(ok, new, buf))
+    update = grad.lerp(new, momentum) if nesterov else new
     return update.bfloat16()
 
 
@@ -143,10 +145,13 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     return lr * ratio
 
 
-def apply(param: torch.Tensor, ortho: torch.Tensor, lr: float, weight_decay: float, step_lr: float) -> None:
-    """The weight decay with the unadjusted lr, then the orthogonalized step, on a piece in place."""
-    param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-step_lr)
+def apply(param: torch.Tensor, ortho: torch.Tensor, lr: float, weight_decay: float, step_lr: float,
+          ok: torch.Tensor) -> None:
+    """The weight decay with the unadjusted lr, then the orthogonalized step, on a piece in place where
+    ``ok`` (a device flag)."""
+    new = param.mul(1 - lr * weight_decay)
+    new.add_(ortho, alpha=-step_lr)
+    param.copy_(torch.where(ok, new, param))
 
 
 def ns_flops(shape, ns_steps: int) -> int:
