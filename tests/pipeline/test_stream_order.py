@@ -641,3 +641,59 @@ def test_no_host_wait_on_the_step_path_and_the_old_step_count_wait_is_named(host
     assert runs["as built", "step path"] == [], runs["as built", "step path"]
     waited = runs["step counts waited for", "step path"]
     assert [s[0] for s in waited] == ["event.synchronize()"] * 3, waited
+
+
+# ---------------------------------------------------------------------- a refusal one rank alone sees
+
+
+def _late_lr_on_rank_zero(rank, world, modeled: bool, overlap: str):
+    """A scheduler stepped under ``if rank == 0`` between the backward and ``step()`` at step 3: the update
+    ran in the backward with the old lr, which rank 0 alone learns. Returns where each rank raised and
+    with what, the checker's hazards and its host synchronizations on the step path (modeled: the
+    stream-order checker's CUDA; else gloo's host-blocking collectives)."""
+    torch.manual_seed(0)
+    model = OddNet().to(DEVICE)
+    model.never.requires_grad_(False)
+    checker = StreamChecker() if modeled else contextlib.nullcontext()
+    raised = None
+    with checker:
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap)
+        try:
+            for step in range(1, 6):
+                if modeled:
+                    checker.phase = f"step {step}"
+                x, y = (t.to(DEVICE) for t in batch(step, 0, rank))
+                where = "forward"
+                loss = F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
+                where = "backward"
+                loss.backward()
+                if step == 3 and rank == 0:
+                    opt.param_groups[0]["lr"] = 5e-3
+                where = "step"
+                opt.step()
+                opt.zero_grad()
+        except RuntimeError as e:
+            raised = (step, where, type(e).__name__, str(e).split(":")[0] + ": " + str(e).split(":")[1][:80])
+        finally:
+            opt._engine.close()
+    if not modeled:
+        return dict(raised=raised)
+    syncs = [s for s in checker.syncs if s[2].startswith("step ") and s[3]]
+    return dict(raised=raised, hazards=[str(h) for h in checker.hazards()], syncs=syncs)
+
+
+@pytest.mark.parametrize("overlap", ["bucket", "backward"])
+def test_a_refusal_one_rank_alone_sees_raises_on_every_rank(overlap):
+    """On CUDA (the checker's model) rank 0 raises in its step 3; rank 1, which cannot learn it without
+    reading the device, raises at its next forward, from the flags all-reduced at step 3, before any
+    collective of step 4, which rank 0 will never join: nobody hangs. No host synchronization on the step
+    path for it. On gloo (host-blocking) both raise in step 3."""
+    modeled = run_ranks(_late_lr_on_rank_zero, 2, True, overlap)
+    assert modeled[0]["raised"][:3] == (3, "step", "RuntimeError"), modeled[0]
+    assert "param_groups changed" in modeled[0]["raised"][3], modeled[0]
+    assert modeled[1]["raised"][:3] == (4, "forward", "RefusedOnAnotherRank"), modeled[1]
+    for seen in modeled:
+        assert not seen["hazards"] and not seen["syncs"], seen
+    plain = run_ranks(_late_lr_on_rank_zero, 2, False, overlap)
+    assert [r["raised"][:3] for r in plain] == [(3, "step", "RuntimeError")] * 2, plain
