@@ -110,8 +110,9 @@ def check_capturable(engine, ddp) -> None:
     if engine.options.stochastic_rounding:
         why.append('master_weights="stochastic": its rounding keys are hashed from the step with temporaries; '
                    "use master weights")
-    why += [f"{m.name}: updates in phases with host reads between (pipeline/whole_matrix.py)"
-            for m in engine.members if m.algo.phased]
+    why += [f"{m.name}: its phases (pipeline/whole_matrix.py) make their exchange buffers and Newton-Schulz's "
+            "matrices as torch ops, new every step, which a graph would hold in a pool of its own; step it eagerly "
+            "(build the optimizers without capturable=True)" for m in engine.members if m.algo.phased]
     if engine.side.api is None:
         why.append(f"the parameters are on {engine.device.type}: a CUDA graph needs CUDA parameters (torch.optim's "
                    "capturable=True refuses them too)")

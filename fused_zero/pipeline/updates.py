@@ -71,7 +71,7 @@ class Updates:
             it.waited += todo
             scales = dict.fromkeys(members, it.grad_scale)
             for group in ([item] for item in todo) if each_bucket else [todo]:
-                self._update(it, group, members, scales, members, max_norm, {})
+                self._update(it, group, members, scales, members, self._clips(it, max_norm), {})
 
     def step_member(self, it, member, max_norm: float | None, grad_scale: torch.Tensor | None, edited: bool,
                     follow: bool) -> None:
@@ -100,15 +100,26 @@ class Updates:
                 grad_scale = e.scratch.under("member", member.index).take(
                     "grad_scale", grad_scale.shape, grad_scale.dtype).copy_(grad_scale)
             scales[member.index] = grad_scale
-            norm = [m.index for m in e.members] if max_norm is not None and it.clip is None else [member.index]
-            self._update(it, it.waited, [member.index], scales, norm, max_norm, {member.index: edited})
+            clip = self._clips(it, max_norm)
+            norm = [m.index for m in e.members] if clip is not None else [member.index]
+            self._update(it, it.waited, [member.index], scales, norm, clip, {member.index: edited})
+
+    def _clips(self, it, max_norm: float | None) -> float | None:
+        """``max_norm`` where this update computes the iteration's clip coefficient (the first one, with
+        ``max_grad_norm``), whose tensor ``it.clip`` is then set: on the host, so that a replayed graph
+        (which runs no Python) leaves it set too; else None."""
+        if max_norm is None or it.clip is not None:
+            return None
+        it.clip = self.engine.scratch.take("clip", (1,), torch.float32)
+        return max_norm
 
     def _update(self, it, items: list[Reduced], members: list[int], scales: dict, norm: list[int],
-                max_norm: float | None, edited: dict) -> None:
+                clip: float | None, edited: dict) -> None:
         """Update ``members``' parameters of ``items`` unless some rank's reduced gradients of the member
         are not finite (then nothing of that member is written, on every rank, and its step counts stay).
         ``scales``: the loss scale each member's gradients carry (or None); ``norm``: the members whose
         gradients the overflow / norm pass reads (every member's where the clip coefficient is computed);
+        ``clip``: the ``max_grad_norm`` whose coefficient this update computes into ``it.clip``, or None;
         ``edited``: members with an edit of ``.grad`` that their update cannot honor (this rank's).
 
         The host's part first (tables uploaded, launches planned, earlier gathers waited for), then the
@@ -126,25 +137,24 @@ class Updates:
             shard.wait_gather()
 
         def work(joined: bool = False) -> None:
-            self._device_work(it, items, coefs, counted, units, norm_units, members, scales, max_norm, edited,
-                              joined)
+            self._device_work(it, items, coefs, counted, units, norm_units, members, scales, clip, edited, joined)
         if e.graph is None:
             work()
             return
         e.graph.run(members[0] if len(members) == 1 else -1,
-                    (it.found_inf, scales, edited, max_norm, it.clip, self.tables.pending, counted, units,
+                    (it.found_inf, scales, edited, clip, it.clip, self.tables.pending, counted, units,
                      norm_units), lambda: work(joined=True))
         self.tables.pending = []
 
     def _device_work(self, it, items: list[Reduced], coefs: list, counted: list, units: list[Unit],
-                     norm_units: list[Unit], members: list[int], scales: dict, max_norm: float | None,
+                     norm_units: list[Unit], members: list[int], scales: dict, clip: float | None,
                      edited: dict, joined: bool = False) -> None:
         """Everything ``_update`` queues on the device: step columns, checks, updates, counts, gathers. It
         reads device memory only (a CUDA graph can hold it). ``joined``: the side stream waits for the
         gathers too (a graph must join the streams it forks)."""
         e = self.engine
         self.tables.fill_steps()
-        found = self._check(it, norm_units, scales, max_norm, edited, covers_all=len(norm_units) > 0 and
+        found = self._check(it, norm_units, scales, clip, edited, covers_all=len(norm_units) > 0 and
                             {u.member for u in norm_units} >= {m.index for m in e.members})
         for m in members:
             torch.maximum(it.found_inf[m:m + 1], found[m:m + 1], out=it.found_inf[m:m + 1])
@@ -209,13 +219,13 @@ class Updates:
             kept = self._pids_kept[member] = (list(shards), self.side.upload_kept(torch.from_numpy(pids)))
         return kept[1][0]
 
-    def _check(self, it, units: list[Unit], scales: dict, max_norm: float | None, edited: dict,
+    def _check(self, it, units: list[Unit], scales: dict, clip: float | None, edited: dict,
                covers_all: bool) -> torch.Tensor:
         """One pass over this rank's reduced slices of ``units`` (each unscaled by its member's loss
         scale): the sum of squares and each member's count of non-finite values, all-reduced with this
         rank's edit flags in one collective. Returns each member's skip flag, float32 ``[members]`` (a
-        device tensor: no host sync), and, with ``max_norm``, sets the iteration's clip coefficient where
-        it is not set yet. ``covers_all``: the pass reads every member's gradients (the sum of squares is
+        device tensor: no host sync), and, with ``clip`` (a ``max_grad_norm``), writes the iteration's clip
+        coefficient into ``it.clip``. ``covers_all``: the pass reads every member's gradients (the sum of squares is
         then the global norm's, which ``engine.grad_sumsq`` holds)."""
         e = self.engine
         n = len(e.members)
@@ -242,8 +252,8 @@ class Updates:
         # any non-finite count or edit flag (non-negative whole numbers): 1.0, else 0.0
         found = torch.maximum(stats[1:1 + n], stats[1 + n:], out=scratch.take("found", (n,), torch.float32))
         found.clamp_(max=1.0)
-        if max_norm is not None and it.clip is None:
-            it.clip = clip_coefficient(stats[0], max_norm, e.scratch.take("clip", (1,), torch.float32))
+        if clip is not None:
+            clip_coefficient(stats[0], clip, it.clip)
         return found
 
     def _start_gather(self, shard: BucketShard) -> None:

@@ -212,6 +212,64 @@ def test_what_a_graph_cannot_hold_is_reported():
     assert _model_run(queues_elsewhere)[0] == ["outside the capture"]
 
 
+# ---------------------------------------------------------------------------- two optimizers over one module
+
+
+def train_two_captured(rank, world):
+    """AdamW over the embedding, l1 and the norm, Adam over the rest, both capturable, with clipping by
+    their global norm: each optimizer's step is a graph of its own (its tables, its checks, its gathers:
+    they must stay apart), against the same two optimizers stepping eagerly, bit for bit."""
+    model, ref = _models()
+    names = ("emb", "l1", "norm")
+    with StreamChecker() as checker:
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        options = dict(overlap="step", max_grad_norm=0.5)
+        pick = [lambda m: [p for n, p in m.named_parameters() if p.requires_grad and n.startswith(names)],
+                lambda m: [p for n, p in m.named_parameters() if p.requires_grad and not n.startswith(names)]]
+        opts = [fused_zero.AdamW(pick[0](model), lr=1e-2, ddp=ddp, capturable=True, **options),
+                fused_zero.Adam(pick[1](model), lr=2e-2, ddp=ddp, capturable=True, **options)]
+        with checker.paused():
+            ref_ddp = DDP(ref, bucket_cap_mb=0.0001)
+            refs = [fused_zero.AdamW(pick[0](ref), lr=1e-2, ddp=ref_ddp, **options),
+                    fused_zero.Adam(pick[1](ref), lr=2e-2, ddp=ref_ddp, **options)]
+        schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts + refs]
+        differences = []
+        try:
+            for step in range(1, STEPS + 1):
+                checker.phase = f"step {step}"
+                _loss(ddp, step, rank).backward()
+                for o in opts:
+                    o.step()
+                for o in opts:
+                    o.zero_grad()
+                with checker.paused():
+                    _loss(ref_ddp, step, rank).backward()
+                    for o in refs:
+                        o.step()
+                        o.zero_grad()
+                    for s in schedules:
+                        s.step()
+                    opts[0]._engine.synchronize()
+                    differences += [f"step {step} {n}" for (n, p), q in zip(model.named_parameters(), ref.parameters())
+                                    if not torch.equal(p, q)]
+            graph = opts[0]._engine.graph
+            return dict(differences=differences, captures=graph.captures, replays=graph.replays,
+                        problems=[p for c in checker.captures for p in c.problems],
+                        hazards=[str(h) for h in checker.hazards()])
+        finally:
+            for o in opts + refs:
+                o._engine.close()
+
+
+def test_two_optimizers_each_replay_their_own_step():
+    """Each optimizer's step captured (once the layout settles) and replayed on its own; every parameter
+    bit for bit with the eager pair after every step."""
+    for seen in run_ranks(train_two_captured, 2):
+        assert not seen["differences"], seen["differences"][:5]
+        assert seen["captures"] == 4 and seen["replays"] >= 2 * (STEPS - 4), seen
+        assert not seen["problems"] and not seen["hazards"], seen
+
+
 # ---------------------------------------------------------------------------- refusals
 
 def _refusal(rank, world, options, ddp_options):
@@ -223,7 +281,14 @@ def _refusal(rank, world, options, ddp_options):
     with StreamChecker():  # a modeled device: only what a graph cannot hold is refused
         ddp = DDP(model, **ddp_options)
         try:
-            fused_zero.AdamW(ddp.parameters(), ddp=ddp, capturable=True, **options)
+            if options.pop("muon", False):  # Muon over the matrices, AdamW over the rest
+                mats = [p for n, p in model.named_parameters()
+                        if p.requires_grad and p.dim() == 2 and n != "emb.weight"]
+                fused_zero.Muon(mats, ddp=ddp, **options)
+                fused_zero.AdamW([p for p in model.parameters() if p.requires_grad and all(p is not q for q in mats)],
+                                 ddp=ddp, capturable=True, **options)
+            else:
+                fused_zero.AdamW(ddp.parameters(), ddp=ddp, capturable=True, **options)
         except ValueError as e:
             return str(e)
     return None
@@ -235,6 +300,7 @@ def _refusal(rank, world, options, ddp_options):
     (dict(overlap="step", grad_reduce_dtype=torch.bfloat16), {}, "grad_reduce_dtype"),
     (dict(overlap="step", master_weights="stochastic"), {}, "stochastic"),
     (dict(overlap="step"), dict(find_unused_parameters=True), "find_unused_parameters"),
+    (dict(overlap="step", muon=True), {}, "Muon (optimizer 0 over this DDP module): its phases"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_at_construction(options, ddp_options, named):
     why = run_ranks(_refusal, 1, options, ddp_options)[0]
