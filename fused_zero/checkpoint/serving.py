@@ -18,7 +18,9 @@ the training thread out:
   check) or after a collective of the next iteration (its reductions, a reshard's all_to_all). A
   requester inside ``state_dict()`` is between steps, so it has joined none of its next iteration's
   collectives: no rank's state can change until every requester has been served. ``state_dict()``
-  between a backward and ``step()`` is therefore refused, on the caller, at once.
+  between a backward and the optimizer's ``step()`` is therefore refused, on the caller, at once; after
+  it, another optimizer over the module may still step (pipeline/members.py), which changes its own
+  state only.
 - **GPU.** ``published`` records an event on the training thread's current stream, which ``step()``
   orders after every update (it joins the side stream): the server's reads wait
   for those on a stream of their own, never for the side stream itself, where the next iteration's
@@ -105,7 +107,7 @@ class CheckpointPeers:
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
         built. Returns the dict, or None on ranks other than ``to``."""
         e = self.engine
-        if e.iteration.invoked:
+        if e.iteration.invoked and e.member.index not in e.iteration.stepped:
             raise CheckpointSyncError("optimizer.state_dict() was called between a backward and optimizer.step(): "
                                       "the state is served as it is after a step; " + USAGE)
         if self.server is None:

@@ -13,12 +13,13 @@ it refuse on every rank, naming the one that can.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
 import torch
 from distributed import run_ranks
-from harness import models, optimizer, ours_alone, refused, split, twin
+from harness import compare_state, models, optimizer, ours_alone, refused, split, twin
 
 MODES = [(o, r) for o in ("bucket", "backward", "step") for r in ("reduce_scatter", "all_reduce")]
 SCALER_MODES = [m for m in MODES if m[0] != "bucket"]
@@ -201,6 +202,8 @@ def _every_other_loop(run, step):
     run.loss(step).backward()
     run.opts[0].step()
     run.opts[0].zero_grad()
+    if run.rank == 0:  # a checkpoint of the first, on rank 0 alone, the second still holding its gradients
+        run.keep.setdefault("first", []).append(copy.deepcopy(run.opts[0].state_dict()))  # torch's: live
     if step % 2 == 0:  # the second optimizer steps every other iteration, on two backwards' gradients
         run.opts[1].step()
         run.opts[1].zero_grad()
@@ -211,7 +214,9 @@ def _every_other(rank, world, mode):
     if mode != HONORS_EDITS:  # the update ran in the backward: the next backward refuses
         return refused(lambda: ours_alone(rank, world, _every_other_loop, _two(overlap=overlap, grad_reduce=reduce)),
                        "a backward started before .*overlap='step' with grad_reduce='all_reduce'")
-    twin(rank, world, _every_other_loop, _two(overlap=overlap, grad_reduce=reduce))
+    out = twin(rank, world, _every_other_loop, _two(overlap=overlap, grad_reduce=reduce))
+    for ours, theirs in zip(out["keep"].get("first", []), out["ref_keep"].get("first", []), strict=True):
+        compare_state(ours, theirs, f"rank {rank}: the first optimizer's state_dict() between the steps")
     return "ok"
 
 
