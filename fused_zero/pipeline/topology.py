@@ -19,10 +19,14 @@ across the replicas (the network). The state per rank is then 1/S of torch.optim
 
 Every rank derives the same groups from the same information, so construction agrees on every rank,
 and refuses on every rank, naming the fix. Groups made here are cached by their ranks: building another
-optimizer over the same sharding makes no new process group. Each is made by its own members only
-(``use_local_synchronization``), never as a collective of the whole world: DDP may run on a subgroup of
-it (torch's own DDP tests use ``{0, 2}`` and ``{1, 3}``), and the ranks outside DDP's group, training
-another replica group or not training at all, never call into fused_zero.
+optimizer over the same sharding makes no new process group. Where DDP's group is the whole world,
+every rank makes every group, in the same order (``new_group`` is then a collective of the world, which
+every rank joins). Where DDP runs on a subgroup of the world (torch's own DDP tests use ``{0, 2}`` and
+``{1, 3}``; a node's ranks), the ranks outside it, training another replica or not at all, never call
+into fused_zero: each group is made by its own members only (``use_local_synchronization``), whose
+name torch derives from its ranks and from how many groups each member has made so far. So the members
+check first that they have made equally many (one all-gather over DDP's group), and refuse on every
+rank, saying why, where they have not, rather than wait for each other under different names.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Topology:
             shard groups (None when R = 1), R, and the index of this rank's shard group.
         shards: every shard group's members as ranks of DDP's group, ``shards[replica][shard_rank]``.
         global_ranks: the same, as global ranks (DCP's placements).
+        local: DDP's group leaves ranks of the world out: the groups made here are made by their members
+            alone (module docstring).
     """
 
     group: object
@@ -64,6 +70,7 @@ class Topology:
     replica: int
     shards: tuple[tuple[int, ...], ...]
     global_ranks: tuple[tuple[int, ...], ...]
+    local: bool = False
 
     @property
     def counts_slice(self) -> bool:
@@ -127,6 +134,7 @@ class Topology:
             given = shard_group
             members = _gathered(given, group, world, ddp_ranks, device)
         S, R = len(members[0]), len(members)
+        local = _local(group, world, device)
         replica, shard_rank = next((i, m.index(rank)) for i, m in enumerate(members) if rank in m)
         global_ranks = tuple(tuple(ddp_ranks[r] for r in m) for m in members)
         if S == world:
@@ -136,7 +144,7 @@ class Topology:
         elif _is_mesh(shard_group):
             shard_pg = shard_group.get_group(1)
         else:
-            shard_pg = _group_of(global_ranks, replica)
+            shard_pg = _group_of(global_ranks, replica, local)
         replicas = [tuple(m[j] for m in global_ranks) for j in range(S)]
         if R == 1:
             replica_pg = None
@@ -145,12 +153,12 @@ class Topology:
         elif _is_mesh(shard_group) and given is None:
             replica_pg = shard_group.get_group(0)
         else:
-            replica_pg = _group_of(replicas, shard_rank)
+            replica_pg = _group_of(replicas, shard_rank, local)
         if S > 1 and dist.get_rank(shard_pg) != shard_rank:
             raise ValueError(f"shard_group: this rank is rank {dist.get_rank(shard_pg)} of its shard group but "
                              f"position {shard_rank} in its member list; build the group from its ranks in order")
         return Topology(group, world, rank, shard_pg, S, shard_rank, replica_pg, R, replica,
-                        tuple(members), global_ranks)
+                        tuple(members), global_ranks, local)
 
 
 def process_group_exists() -> bool:
@@ -228,9 +236,30 @@ def _check_tiling(groups, world: int, what: str) -> list[tuple[int, ...]]:
     return sorted(groups)
 
 
-def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine: int):
-    """The process group of ``groups[mine]`` (this rank's), made by its members (or found)."""
-    return _group(tuple(groups[mine]), groups[mine])
+def _group_of(groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], mine: int, local: bool):
+    """The process group of ``groups[mine]`` (this rank's): made by its members alone (``local``), or
+    after making (or finding) one for every group, as every rank of the world does (module docstring)."""
+    if not local:
+        return [_group(tuple(members), members, False) for members in groups][mine]
+    return _group(tuple(groups[mine]), groups[mine], True)
+
+
+def _local(ddp_group, world: int, device: torch.device) -> bool:
+    """Whether DDP's group leaves ranks of the world out: then groups are made by their members alone, once
+    they agree (a collective of DDP's group) that each has made as many groups as the others."""
+    if world == 1 or world == dist.get_world_size():
+        return False
+    made = torch.tensor([len(dist.distributed_c10d._world.pg_names)], dtype=torch.int64, device=device)
+    counts = torch.empty(world, dtype=torch.int64, device=device)
+    collectives.all_gather(counts, made, ddp_group, async_op=False)
+    if len(set(counts.tolist())) > 1:
+        raise ValueError(
+            f"DDP runs on a subgroup of the world, whose ranks have made different numbers of process groups "
+            f"so far ({counts.tolist()}, in the group's rank order): a group fused_zero makes of some of them "
+            "would get a different name on each (torch names a group made by its members alone after its ranks "
+            "and that count), and they would wait for each other forever. Make the same process groups, in the "
+            "same order, on every rank of DDP's group before building the optimizer")
+    return True
 
 
 def post_update_groups(topo: Topology) -> tuple[object, object]:
@@ -241,10 +270,10 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
     order per communicator"). Made once per set of ranks, by its members, in the same order on each;
     where a twin would not number its ranks as the group it stands for, the group itself is used."""
     ddp_ranks = tuple(sorted(r for members in topo.global_ranks for r in members))
-    check = _twin([ddp_ranks], 0)
+    check = _twin([ddp_ranks], 0, topo.local)
     gather = topo.shard_group
     if topo.shard_size > 1:
-        gather = _twin(topo.global_ranks, topo.replica)
+        gather = _twin(topo.global_ranks, topo.replica, topo.local)
         if dist.get_rank(gather) != topo.shard_rank:
             gather = topo.shard_group
     if dist.get_rank(check) != topo.rank:
@@ -252,20 +281,22 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
     return gather, check
 
 
-def _twin(groups, mine: int):
+def _twin(groups, mine: int, local: bool):
+    if not local:
+        return [_group(("post-update", *sorted(m)), sorted(m), False) for m in groups][mine]
     members = sorted(groups[mine])
-    return _group(("post-update", *members), members)
+    return _group(("post-update", *members), members, True)
 
 
-def _group(key: tuple, members) -> object:
-    """This rank's group of ``members`` (global ranks) made for ``key``, made now, by its members alone, if
-    it is not made yet. The groups belong to the default process group they were made under: after
-    ``destroy_process_group`` and a new ``init_process_group`` (a second run in one process) they are
-    made anew, not handed out destroyed."""
+def _group(key: tuple, members, local: bool) -> object:
+    """The group of ``members`` (global ranks) made for ``key``, made now if it is not made yet: by its
+    members alone (``local``) or by every rank of the world. The groups belong to the default process
+    group they were made under: after ``destroy_process_group`` and a new ``init_process_group`` (a
+    second run in one process) they are made anew, not handed out destroyed."""
     world = dist.group.WORLD
     if _GROUPS_WORLD[0] is not world:
         _GROUPS.clear()
         _GROUPS_WORLD[0] = world
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(members), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(members), use_local_synchronization=local)
     return _GROUPS[key]

@@ -100,6 +100,7 @@ def twin(rank: int, world: int, loop, make, steps: int = 6, ddp_kw: dict | None 
         for i, (o, r) in enumerate(zip(ours.opts, ref.opts)):
             if isinstance(o, fused_zero.optimizer._ShardedOptimizer):
                 compare_state(o.state_dict(), r.state_dict(), f"rank {rank} optimizer {i}", exact(group))
+        dist.barrier(group)  # every rank served before any lets its optimizers go (checkpointing.md)
     for o in ours.opts:
         if getattr(o, "_engine", None) is not None:
             o._engine.close()

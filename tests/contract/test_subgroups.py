@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from distributed import run_ranks
-from harness import optimizer, split, twin
+from harness import models, optimizer, split, twin
 from test_several_optimizers import MATRICES, MODES, _plain_loop
 
 LAYOUTS = {"strided": [[0, 2], [1, 3]], "blocks": [[0, 1], [2, 3]]}
@@ -57,3 +57,24 @@ def test_ddp_on_blocks_of_ranks():
     cases += [(("Muon", "AdamW"), MODES[2], 1, (0, 1))]
     for results in run_ranks(_subgroups, 4, "blocks", cases):
         assert all(r[-1] == "ok" for r in results), results
+
+
+def _uneven_history(rank, world):
+    groups = [dist.new_group(ranks) for ranks in LAYOUTS["strided"]]
+    if rank == 0:  # a group of its own that rank 2, its DDP peer, does not make
+        dist.new_group([0], use_local_synchronization=True)
+    (model, ddp), _ = models({"process_group": groups[rank % 2]})
+    try:
+        optimizer("AdamW", list(ddp.parameters()), True, ddp=ddp, overlap="bucket")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_subgroup_whose_ranks_made_different_groups_is_refused_not_hung():
+    """The members of a group made by them alone must have made as many groups before (torch names it
+    after that count): where they have not, construction refuses on every rank of DDP's group, saying so."""
+    out = run_ranks(_uneven_history, 4)
+    assert out[1] == out[3] == "built", out
+    for message in (out[0], out[2]):
+        assert "different numbers of process groups" in message, message
