@@ -29,6 +29,7 @@ from ..kernels import Segments, row_table
 from ..update import formats
 from ..update.formats import DTYPES
 from .layout import BucketLayout
+from .packed_gather import lead_member, member_runs
 from .strides import strided_view
 
 PART_ALIGN = 32
@@ -181,6 +182,8 @@ class BucketShard:
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
         held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
+        lead: where several members share the bucket, the one whose update gathers it whole in
+            overlap="step" (the others gather their own elements: packed_gather.py); else None.
         foreign: ``(bucket offset, length)`` runs of the parameters no fused_zero optimizer updates
             (options.NO_MEMBER), adjacent ones merged: reduced to DDP's average, kept out of the parameter
             buffer (an empty one where the bucket holds no other parameter), the state and the updates.
@@ -205,6 +208,8 @@ class BucketShard:
         self.names = list(dict.fromkeys(n for m in present for n in state_names[m])) + \
             (["master"] if master and present else [])
         self.foreign = _runs([(off, n) for off, n, m in zip(layout.offsets, layout.numels, members) if m < 0])
+        self.lead = lead_member(layout, self.members) if len(self.member_set) > 1 else None
+        self._member_runs: dict[int, list] = {}  # member -> its runs in each rank's slice (packed_gather.py)
         counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
@@ -292,6 +297,12 @@ class BucketShard:
             mine = self.pids[self.members == member].astype(np.int64)
             self._device_pids[member] = side.upload_kept(torch.from_numpy(mine))
         return self._device_pids[member][0]
+
+    def member_runs(self, member: int) -> list[list[tuple[int, int]]]:
+        """``member``'s runs in each rank's slice (packed_gather.member_runs), made at first use."""
+        if member not in self._member_runs:
+            self._member_runs[member] = member_runs(self.layout, self.members, member)
+        return self._member_runs[member]
 
     def wait_gather(self) -> None:
         """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""

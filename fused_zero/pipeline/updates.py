@@ -12,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..update.algorithms import UpdateArgs, clip_coefficient, grad_sumsq
+from ..update.algorithms import UpdateArgs
 from . import collectives
 from .launches import Unit, launch_units
+from .norm_check import check
+from .packed_gather import PackedGather
 from .profiling import range_push
 from .reduction import Reduced
 from .shard import BucketShard
@@ -154,7 +156,7 @@ class Updates:
         gathers too (a graph must join the streams it forks)."""
         e = self.engine
         self.tables.fill_steps()
-        found = self._check(it, norm_units, scales, clip, edited, covers_all=len(norm_units) > 0 and
+        found = check(e, it, norm_units, scales, clip, edited, self.check_group, covers_all=len(norm_units) > 0 and
                             {u.member for u in norm_units} >= {m.index for m in e.members})
         for m in members:
             torch.maximum(it.found_inf[m:m + 1], found[m:m + 1], out=it.found_inf[m:m + 1])
@@ -184,8 +186,9 @@ class Updates:
     def _gathers(self, items: list[Reduced], units: list[Unit], members: list[int]):
         """``ready(j)``: start, in bucket order, the all-gather of each bucket holding parameters of
         ``members`` once its last launch is among the first ``j + 1`` units: every member's parameters are
-        current on every rank when its ``step()`` returns, as torch.optim's are (a bucket shared by
-        several optimizers is gathered after each one's update in overlap="step"). Which buckets, and
+        current on every rank when its ``step()`` returns, as torch.optim's are (in overlap="step" a
+        bucket shared by several optimizers is gathered after each one's update: whole by its lead, its
+        own elements by each other, packed_gather.py). Which buckets, and
         their order, are every rank's, whatever launches its region needs (a rank whose slice holds none
         of a member's rows launches nothing for it): collectives pair up by issue order."""
         last = {id(s): j for j, unit in enumerate(units) for s in unit.shards}
@@ -193,7 +196,7 @@ class Updates:
 
         def ready(j: int) -> None:
             while todo and last.get(id(todo[0]), -1) <= j:
-                self._start_gather(todo.pop(0))  # a skipped update gathers the unchanged parameters
+                self._start_gather(todo.pop(0), members)  # a skipped update gathers the unchanged parameters
         return ready
 
     def _counted(self, items: list[Reduced], coefs: list, members: list[int]) -> list[tuple]:
@@ -219,49 +222,21 @@ class Updates:
             kept = self._pids_kept[member] = (list(shards), self.side.upload_kept(torch.from_numpy(pids)))
         return kept[1][0]
 
-    def _check(self, it, units: list[Unit], scales: dict, clip: float | None, edited: dict,
-               covers_all: bool) -> torch.Tensor:
-        """One pass over this rank's reduced slices of ``units`` (each unscaled by its member's loss
-        scale): the sum of squares and each member's count of non-finite values, all-reduced with this
-        rank's edit flags in one collective. Returns each member's skip flag, float32 ``[members]`` (a
-        device tensor: no host sync), and, with ``clip`` (a ``max_grad_norm``), writes the iteration's clip
-        coefficient into ``it.clip``. ``covers_all``: the pass reads every member's gradients (the sum of squares is
-        then the global norm's, which ``engine.grad_sumsq`` holds)."""
-        e = self.engine
-        n = len(e.members)
-        scratch = e.scratch.under("check", *sorted(edited))
-        stats = scratch.take("stats", (1 + 2 * n,), torch.float32).zero_()
-        for j, unit in enumerate(units):
-            if not unit.norm_rows:
-                continue
-            segments = unit.norm_segments  # the Triton kernel's per-row sums: kept too
-            partials = scratch.take(("rows", j), (max(segments.n_rows, 1), 2), torch.float32) \
-                if segments is not None else None
-            norm = scratch.take(("norm", j), (2,), torch.float32)
-            grad_sumsq(e.backend, unit.norm_rows, segments, unit.table, unit.grad, scales[unit.member], out=norm,
-                       partials=partials)
-            stats[:1] += norm[:1]
-            stats[1 + unit.member:2 + unit.member] += norm[1:]
-        for m, flag in edited.items():
-            if flag:
-                stats[1 + n + m:2 + n + m].fill_(1.0)
-        if self.world > 1:  # waited for by the side stream on CUDA, like the reductions
-            collectives.all_reduce(stats, self.check_group).wait()
-        if covers_all:
-            e.grad_sumsq = stats[0]
-        # any non-finite count or edit flag (non-negative whole numbers): 1.0, else 0.0
-        found = torch.maximum(stats[1:1 + n], stats[1 + n:], out=scratch.take("found", (n,), torch.float32))
-        found.clamp_(max=1.0)
-        if clip is not None:
-            clip_coefficient(stats[0], clip, it.clip)
-        return found
-
-    def _start_gather(self, shard: BucketShard) -> None:
-        """The updated slices of the shard group back into every member's parameter buffer, in place."""
+    def _start_gather(self, shard: BucketShard, members: list[int]) -> None:
+        """The updated slices of the shard group back into the parameter buffer, after ``members``' update:
+        in place, the whole head, unless the bucket is shared and the update is not its lead member's
+        (overlap="step"): then the member's own elements, packed (packed_gather.py)."""
         layout = shard.layout
         if layout.world_size == 1 or layout.shard == 0 or not shard.member_set:
             return
-        lo, hi = layout.slice_of(layout.rank)
+        shard.wait_gather()  # one pending gather at a time (this rank's region may hold no row of ``members``)
         with range_push("fused_zero.all_gather"):
-            shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
-                                                  self.gather_group)
+            if shard.lead is None or shard.lead in members:
+                lo, hi = layout.slice_of(layout.rank)
+                shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
+                                                      self.gather_group)
+                return
+            for m in sorted(shard.member_set.intersection(members)):
+                shard.wait_gather()
+                shard.gather = PackedGather(shard.param_buffer, shard.member_runs(m), layout.rank, self.gather_group,
+                                            self.side)
