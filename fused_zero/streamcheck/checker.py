@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pipeline import collectives, streams, updates, warmup
+from ..pipeline import collectives, norm_check, streams, warmup
 from ..update.algorithms import Algorithm
 from . import backends, standins
 from .clocks import Clocks, Hazard
@@ -148,7 +148,7 @@ class StreamChecker:
         for owner, name, value in function_patches(self):
             self._patch(owner, name, value)
         self._patch(Algorithm, "update", standins.launch_update(self, Algorithm.update))
-        for caller in (updates, warmup):  # the norm pass, by the name its callers call it
+        for caller in (norm_check, warmup):  # the norm pass, by the name its callers call it
             self._patch(caller, "grad_sumsq", standins.launch_norm(self, caller.grad_sumsq))
         for mode in self._modes:
             mode.__enter__()
