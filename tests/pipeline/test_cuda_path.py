@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.pipeline.engine
-import fused_zero.pipeline.updates
+import fused_zero.pipeline.norm_check
 import fused_zero.pipeline.warmup
 from fused_zero.kernels import Segments, adam_coefficients, adam_step
 from fused_zero.pipeline.engine import Engine
@@ -142,8 +142,8 @@ def check_every_launch_under_the_guard(rank, world):
                                max_grad_norm=1.0 if overlap == "step" else None)
         engine = opt._engine
         engine.side = GuardRecorder(engine.device)
-        # the update is the algorithm's; the norm pass a function the updates and the warm-up call
-        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.updates, "grad_sumsq"),
+        # the update is the algorithm's; the norm pass a function the check and the warm-up call
+        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.norm_check, "grad_sumsq"),
                   (fused_zero.pipeline.warmup, "grad_sumsq"))
         reals = [getattr(owner, name) for owner, name in owners]
         for (owner, name), real in zip(owners, reals):
