@@ -60,7 +60,6 @@ class _Iteration:
             gradients), once computed; in overlap="step" at the first member's ``step()``, as one
             ``clip_grad_norm_(model.parameters())`` before the steps.
         stepped: the members whose ``step()`` has been called.
-        changed: param-group entries a member's ``step()`` found changed since the update read them.
         invoked: buckets handed to the hook.
         last_invoked: the hook has seen DDP's last bucket.
         ready: buckets whose reduction was started and not waited for yet.
@@ -80,7 +79,6 @@ class _Iteration:
     counting: bool = False
     clip: torch.Tensor | None = None
     stepped: set = field(default_factory=set)
-    changed: list = field(default_factory=list)
     invoked: int = 0
     last_invoked: bool = False
     ready: list[Reduced] = field(default_factory=list)
