@@ -193,8 +193,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """This optimizer's step: with overlap="step" its update of every bucket runs now, from its
         gradients as they are (the other modes ran it during the backward); it skips on its own
         gradients' overflow. With param_sync="step" it returns once its parameters hold their new values
-        (a bucket shared with another optimizer over the module is all-gathered once that one has stepped
-        too: pipeline/stepping.py)."""
+        on every rank (pipeline/stepping.py; a bucket shared with another optimizer: packed_gather.py)."""
         engine = self._attached_engine("step()")
         loss = None
         if closure is not None:
