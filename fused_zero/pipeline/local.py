@@ -2,8 +2,9 @@
 
 Without DDP nothing hands the engine buckets during the backward, and nothing needs to: there is
 nothing to reduce. ``LocalModule`` stands where the DDP module would (the few attributes the engine
-reads of DDP), and ``step()`` hands the engine one bucket per parameter dtype, a flat copy of every
-``param.grad`` as it is then, before ending the iteration as ``overlap="step"`` does. So gradients
+reads of DDP), and each optimizer's ``step()`` hands the engine one bucket per parameter dtype, a flat
+copy of its parameters' ``param.grad`` as it is then (the other optimizers' as having none), before its
+update runs and the iteration ends as ``overlap="step"`` ends it. So gradients
 accumulate in ``param.grad`` over any number of backwards, edits of ``.grad`` (clipping,
 ``scaler.unscale_``) and late hyperparameters are honored, and a parameter whose ``.grad`` is None is
 skipped, as torch.optim does. The copy costs one pass over the gradients per step.

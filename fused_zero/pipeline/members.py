@@ -1,13 +1,14 @@
 """Several fused_zero optimizers over one DDP module: each is a *member* of the module's one engine.
 
 DDP takes one comm hook, and its buckets mix the parameters of every optimizer (Muon's matrices beside
-AdamW's embeddings, norms and biases), so the bucket pipeline stays one per module: one reduction and
-one all-gather per bucket, one norm / non-finite check per step over every gradient (``max_grad_norm``
-clips by the module's global norm, as one ``clip_grad_norm_(model.parameters())`` does), one step
-count per parameter. What is each optimizer's own is its parameters, param groups, algorithm and
-state: a shard keeps one part per member and state format (shard.py), each member's coefficient table
-drives its own launches, and each member has its own ``step()``, ``state_dict()`` and schedulers. The
-iteration ends once every member has stepped.
+AdamW's embeddings, norms and biases), so the reduction stays one per bucket, and so does the step
+count per parameter. Everything a user can observe per optimizer is its own, as torch.optim's
+optimizers are independent objects: its parameters, param groups, algorithm and state (a shard keeps one
+part per member and state format, shard.py), its coefficient table and launches, its ``step()`` (in
+overlap="step" its update runs then: stepping.py), its overflow skip and skip count, its GradScaler state
+(amp.py), its ``state_dict()`` and schedulers. ``max_grad_norm`` clips by the norm of every member's
+gradients, as one ``clip_grad_norm_(model.parameters())`` before the steps does (docs/design.md,
+"Several optimizers, each torch.optim's own").
 
 ``MemberView`` is one member's share as the checkpoint side reads it (checkpoint/*): its parameters in
 its own order (local indices ``i``, as its state dict numbers them), its groups and algorithm, the shards
