@@ -12,7 +12,8 @@
 #   nvidia-smi, versions         what the machine is;
 #   gpu-kernels                  tests/gpu's kernel cases (pays the cold Triton cache: TRITON_CACHE_DIR
 #                                is one folder for every step, so later steps reuse what it compiled);
-#   gpu-engine, gpu-muon, gpu-graph, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer, gpu-state-dict
+#   gpu-engine, gpu-muon, gpu-several, gpu-graph, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer,
+#   gpu-state-dict
 #                                the other tests/gpu cases, one pytest each (-k), so a failure or a
 #                                timeout names its case; a step whose cases are absent is "skipped";
 #   memcheck                     compute-sanitizer's memcheck over one small case, where the machine has
@@ -70,14 +71,19 @@ PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 # gpu-engine, gpu-host-sync, bench-kernels, bench-step and demo. The CUDA-graph steps took the reserve's
 # 15 s and 20 s from gpu-state-dict (75) and memcheck (20): gpu-graph 15 (one spawned NCCL rank, 3
 # engines, 14 steps), bench-graph 20 (2 models x 3 systems x 40 iterations). The limits fill TOTAL_BUDGET.
+# The several-optimizer checks took 40 s: gpu-several 30 (Muon + AdamW under the sync debug mode in 3
+# modes, one GradScaler over two optimizers in 4 recipes, two capturable optimizers under OneCycleLR for
+# 30 steps) and 10 more for gpu-ranks (a refusal one gloo rank alone sees, 2 x 2 spawned ranks), paid
+# for by 5 s from each of gpu-kernels, gpu-engine, gpu-formats, gpu-torch-sanitizer, memcheck,
+# bench-kernels, bench-step and bench-graph.
 declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
-    [gpu-kernels]=45 [gpu-engine]=20 [gpu-muon]=15 [gpu-graph]=15 [gpu-formats]=20 [gpu-host-sync]=15
-    [gpu-ranks]=25 [gpu-torch-sanitizer]=20 [gpu-state-dict]=75 [memcheck]=20
-    [bench-kernels]=25 [bench-step]=20 [bench-graph]=20 [demo]=10
+    [gpu-kernels]=40 [gpu-engine]=15 [gpu-muon]=15 [gpu-several]=30 [gpu-graph]=15 [gpu-formats]=15
+    [gpu-host-sync]=15 [gpu-ranks]=35 [gpu-torch-sanitizer]=15 [gpu-state-dict]=75 [memcheck]=15
+    [bench-kernels]=20 [bench-step]=15 [bench-graph]=15 [demo]=10
 )
-ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-graph gpu-formats gpu-host-sync gpu-ranks
-       gpu-torch-sanitizer gpu-state-dict memcheck bench-kernels bench-step bench-graph demo)
+ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-several gpu-graph gpu-formats gpu-host-sync
+       gpu-ranks gpu-torch-sanitizer gpu-state-dict memcheck bench-kernels bench-step bench-graph demo)
 
 sum=$RESERVE
 for name in "${ORDER[@]}"; do sum=$((sum + LIMIT[$name])); done
@@ -127,7 +133,8 @@ step versions python3 -c "import torch, triton; print('torch', torch.__version__
 print('triton', triton.__version__)"
 gpu gpu-kernels "kernels"
 gpu gpu-engine "engine_world1"
-gpu gpu-muon "muon"
+gpu gpu-muon "muon_beside"
+gpu gpu-several "several_optimizers"
 gpu gpu-graph "cuda_graph"
 gpu gpu-formats "compact_state_formats"
 gpu gpu-host-sync "never_syncs_the_host"

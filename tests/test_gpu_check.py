@@ -57,8 +57,8 @@ def test_dry_run_fits_the_budget_and_the_device_time(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = status(tmp_path)
     names = [r[0] for r in rows]
-    assert names == ["nvidia-smi", "versions", "gpu-kernels", "gpu-engine", "gpu-muon", "gpu-graph", "gpu-formats",
-                     "gpu-host-sync", "gpu-ranks", "gpu-torch-sanitizer", "gpu-state-dict", "memcheck",
+    assert names == ["nvidia-smi", "versions", "gpu-kernels", "gpu-engine", "gpu-muon", "gpu-several", "gpu-graph",
+                     "gpu-formats", "gpu-host-sync", "gpu-ranks", "gpu-torch-sanitizer", "gpu-state-dict", "memcheck",
                      "bench-kernels", "bench-step", "bench-graph", "demo"], names
     assert all(len(r) == 4 and r[1] == "0" for r in rows), rows  # step, exit code, seconds, limit
     steps, reserve, total, finish = map(int, re.search(
@@ -81,7 +81,7 @@ def test_the_check_installs_nothing():
 
 def test_every_gpu_step_selects_its_cases():
     steps = re.findall(r'^gpu (\S+) "([^"]+)"$', open(SCRIPT).read(), re.M)
-    assert len(steps) == 9, steps
+    assert len(steps) == 10, steps
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     listed = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
                              os.path.join(ROOT, "tests", "gpu")], capture_output=True, text=True, env=env,

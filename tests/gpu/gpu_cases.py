@@ -665,6 +665,240 @@ def case_capture():
     run_ranks(_capture, 1, backend="nccl", timeout=300)
 
 
+# ------------------------------------------------------------------ several optimizers, each its own
+
+FIRST = ("emb", "l1", "norm")  # the first optimizer's parameters; l1.weight's gradient overflows below
+
+
+def _ids(device) -> list | None:
+    return [device.index] if device.type == "cuda" else None  # DDP over a CPU module takes none
+
+
+def _split(model, names=FIRST):
+    first = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith(names)]
+    return first, [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(names)]
+
+
+def _muon_without_host_waits(device, rank, found, steps=8):
+    """Muon beside AdamW in every overlap mode (default: the whole-matrix phase in the comm hooks), the
+    backward and both steps under torch's sync debug mode "error" after DDP's rebuild, the event,
+    stream and device waits counted from the first iteration: none (its skip and active flags stay on
+    the device); every parameter within the Muon tolerance of torch.optim.Muon + AdamW."""
+    from scenarios import VOCAB, Case, batch, muon_split
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    for overlap in ("bucket", "backward", "step"):
+        model, ref = _twin_models(device)
+        ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device)) for m in (model, ref))
+        opts = [getattr(fused_zero, kind)(groups, ddp=ddp, overlap=overlap)
+                for kind, groups in reversed(muon_split(model, Case(opt="Muon")))]  # AdamW first: member 0
+        ref_opts = [getattr(torch.optim, kind)(groups, **({} if kind == "Muon" else {"foreach": False}))
+                    for kind, groups in reversed(muon_split(ref, Case(opt="Muon")))]
+        waits = _HostWaits()
+        for step in range(1, steps + 1):
+            x, y = (t.to(device) for t in batch(step, 0, rank))
+            F.cross_entropy(ref_ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+            waits.__enter__()
+            if step > 3:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+                for o in opts:
+                    o.step()
+                for o in opts:
+                    o.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                waits.__exit__()
+            opts[0].synchronize()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                measure("several", f"muon {overlap} step {step} {name}", p, q)
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=5e-4,
+                                           msg=lambda m, n=f"muon {overlap} step {step} {name}": f"{n}: {m}")
+        if any(waits.counts.values()):
+            found.append(f"Muon + AdamW overlap={overlap}: host waits over {steps} iterations: {waits.counts}")
+        opts[0]._engine.close()
+
+
+def _scaler_two_optimizers(device, rank, overlap, reduce, recipe, steps=6):
+    """One GradScaler over fused_zero.AdamW (emb, l1, norm) and fused_zero.SGD (the rest), torch's recipe
+    (``unscale_`` of those in ``recipe``, a clip of the first's unscaled gradients when it is unscaled,
+    ``scaler.step`` of each, one ``update``); an inf in l1.weight's gradient at step 3: the first skips,
+    the second steps, the scale halves, as with torch.optim. Returns each optimizer's skipped steps."""
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    model, ref = _twin_models(device)
+    ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device), gradient_as_bucket_view=True)
+                    for m in (model, ref))
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0 ** 10) for _ in range(2)]
+    mine, rest = _split(model)
+    opts = [fused_zero.AdamW(mine, lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap, grad_reduce=reduce,
+                             grad_scaler=scalers[0]),
+            fused_zero.SGD(rest, lr=5e-2, momentum=0.9, ddp=ddp, overlap=overlap, grad_reduce=reduce,
+                           grad_scaler=scalers[0])]
+    ref_mine, ref_rest = _split(ref)
+    refs = [torch.optim.AdamW(ref_mine, lr=1e-2, weight_decay=0.1, foreach=False),
+            torch.optim.SGD(ref_rest, lr=5e-2, momentum=0.9, foreach=False)]
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        for d, os_, scaler in ((ref_ddp, refs, scalers[1]), (ddp, opts, scalers[0])):
+            loss = F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
+            handle = d.module.l1.weight.register_hook(lambda g: g * float("inf")) if step == 3 else None
+            scaler.scale(loss).backward()
+            if handle is not None:
+                handle.remove()
+            for i in recipe:
+                scaler.unscale_(os_[i])
+                if i == 0:
+                    torch.nn.utils.clip_grad_norm_([p for g in os_[0].param_groups for p in g["params"]], 0.5)
+            for o in os_:
+                scaler.step(o)
+            scaler.update()
+            for o in os_:
+                o.zero_grad()
+        opts[0].synchronize()
+        what = f"scaler {overlap}/{reduce} unscale {recipe} step {step}"
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"{what}: scale {scalers[0].get_scale()}"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            measure("several", f"{what} {name}", p, q)
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=f"{what} {name}": f"{n}: {m}")
+    skipped = [o.skipped_steps for o in opts]
+    opts[0]._engine.close()
+    return skipped
+
+
+def _pinned_bytes(engine) -> int:
+    staging = engine.side._staging
+    return sum(buf.numel() * buf.element_size() for ring in staging.rings.values() for buf, _ in ring)
+
+
+def _captured_onecycle(device, rank, steps=30):
+    """Two capturable optimizers over one module (AdamW, Adam), each under OneCycleLR with its default
+    ``cycle_momentum`` (beta1 changes every step): each step replayed from its own graph, every parameter
+    bit for bit with the same pair stepping eagerly, and the pinned staging memory the same at the last
+    step as at step 10. Returns (captures, replays, pinned bytes at step 10, at the end)."""
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    model, twin = _twin_models(device)
+    pairs = []
+    for m, capturable in ((model, True), (twin, False)):
+        d = DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device))
+        first, rest = _split(m)
+        os_ = [fused_zero.AdamW(first, lr=1e-2, ddp=d, overlap="step", max_grad_norm=0.5, capturable=capturable),
+               fused_zero.Adam(rest, lr=2e-2, ddp=d, overlap="step", max_grad_norm=0.5, capturable=capturable)]
+        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=steps + 1) for o in os_]
+        pairs.append((d, os_, scheds))
+    pinned = []
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        for d, os_, scheds in pairs:
+            F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            for o in os_:
+                o.step()
+            for o in os_:
+                o.zero_grad()
+            for s in scheds:
+                s.step()
+        pairs[0][1][0].synchronize()
+        pairs[1][1][0].synchronize()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), f"OneCycleLR step {step} {name}: the replayed step differs from the eager one"
+        if step in (10, steps):
+            pinned.append(_pinned_bytes(pairs[0][1][0]._engine))
+    graph = pairs[0][1][0]._engine.graph
+    out = (graph.captures, graph.replays, *pinned)
+    for _, os_, _ in pairs:
+        os_[0]._engine.close()
+    return out
+
+
+def _several(rank, world):
+    device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device(DEVICE)
+    found = []
+    _muon_without_host_waits(device, rank, found)
+    for overlap, reduce, recipe in (("step", "all_reduce", (0,)), ("step", "all_reduce", (0, 1)),
+                                    ("backward", "reduce_scatter", ()), ("step", "reduce_scatter", ())):
+        skipped = _scaler_two_optimizers(device, rank, overlap, reduce, recipe)
+        if skipped != [1, 0]:
+            found.append(f"scaler {overlap}/{reduce} unscale {recipe}: skipped steps {skipped}, expected [1, 0]")
+    captures, replays, pinned10, pinned_end = _captured_onecycle(device, rank)
+    print(f"OneCycleLR capturable: captures {captures}, replays {replays}, pinned bytes {pinned10} at step 10, "
+          f"{pinned_end} at step 30")
+    if replays < 2 * (30 - 6) or pinned_end != pinned10:
+        found.append(f"OneCycleLR capturable: {captures} captures, {replays} replays of 2 x 30 steps, "
+                     f"pinned bytes {pinned10} at step 10 and {pinned_end} at step 30")
+    if found:
+        raise AssertionError("\n".join(found))
+
+
+def case_several_optimizers():
+    from fused_zero.demo.spawn import run_ranks
+
+    run_ranks(_several, 1, backend="nccl", timeout=300)
+
+
+def _late_lr_on_rank_zero(rank, world, overlap):
+    """A scheduler stepped under ``if rank == 0`` between the backward and ``step()`` at step 3, in a mode
+    whose update ran in the backward: rank 0 refuses in its step 3; rank 1, which learns it from the
+    flags all-reduced on the relay stream (pipeline/refusals.py), raises RefusedOnAnotherRank by its
+    step 4 instead of waiting for rank 0 in a collective. Returns where this rank raised."""
+    from scenarios import VOCAB, OddNet, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    dev = torch.device("cuda", 0)
+    reason = _gloo_cuda_probe(world)
+    if reason:
+        return reason
+    torch.manual_seed(0)
+    model = OddNet().to(dev)
+    model.never.requires_grad_(False)
+    ddp = DDP(model, bucket_cap_mb=0.0001, device_ids=[0])
+    opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap)
+    raised = None
+    try:
+        for step in range(1, 7):
+            x, y = (t.to(dev) for t in batch(step, 0, rank))
+            where = "forward"
+            loss = F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1))
+            where = "backward"
+            loss.backward()
+            if step == 3 and rank == 0:
+                opt.param_groups[0]["lr"] = 5e-3
+            where = "step"
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        raised = (step, where, type(e).__name__, str(e)[:200])
+    return raised
+
+
+def case_refusal_on_every_rank():
+    """Two gloo ranks sharing one GPU (CUDA tensors: the engine's CUDA path), one run per mode."""
+    from fused_zero.demo.spawn import run_ranks
+
+    for overlap in ("bucket", "backward"):
+        outs = run_ranks(_late_lr_on_rank_zero, 2, overlap, backend="gloo", timeout=200, collective_timeout=60)
+        if any(isinstance(o, str) and o.startswith("skip") for o in outs):
+            raise Skip(outs[0])
+        print(f"overlap={overlap}: where each rank raised: {outs}")
+        assert outs[0] is not None and outs[0][:3] == (3, "step", "RuntimeError"), (overlap, outs)
+        assert outs[1] is not None and outs[1][0] in (3, 4) and outs[1][2] == "RefusedOnAnotherRank", (overlap, outs)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -1,5 +1,7 @@
-"""The CUDA path on a GPU: the kernels, the engine at world 1, the compact state formats, ranks sharing
-one GPU over gloo, NCCL on 2+ GPUs, and the engine under torch's CUDA sanitizer. Skipped, with the
+"""The CUDA path on a GPU: the kernels, the engine at world 1, several optimizers over one module (each
+its own step, GradScaler state and graph; Muon's phases without host waits), the compact state formats,
+ranks sharing one GPU over gloo (a refusal one of them alone sees raised on both), NCCL on 2+ GPUs, and
+the engine under torch's CUDA sanitizer. Skipped, with the
 reason, where CUDA is absent.
 
 Each case runs in its own process (gpu_cases.py) without ``TRITON_INTERPRET``: tests/conftest.py turns
@@ -48,6 +50,10 @@ def test_muon_beside_adamw():
     run_case("muon")
 
 
+def test_several_optimizers_each_its_own_step_scale_and_graph():
+    run_case("several_optimizers")
+
+
 def test_compact_state_formats():
     run_case("formats")
 
@@ -62,6 +68,10 @@ def test_step_replayed_from_a_cuda_graph():
 
 def test_two_gloo_ranks_on_one_gpu():
     run_case("two_ranks_one_gpu")
+
+
+def test_two_gloo_ranks_refuse_together_what_one_saw():
+    run_case("refusal_on_every_rank")
 
 
 def test_rank0_state_dict_right_after_step():
