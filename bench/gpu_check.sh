@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with one or more NVIDIA GPUs, run from anywhere:
+# One prepared check for a machine with one or more NVIDIA GPUs, run from anywhere, in two sets:
 #
-#     bash bench/gpu_check.sh OUTDIR
+#     bash bench/gpu_check.sh OUTDIR [tests]   # the GPU tests: every tests/gpu case
+#     bash bench/gpu_check.sh OUTDIR bench     # torch's CUDA sanitizer, memcheck, the benchmarks, the demo
 #
 # Installs nothing: it runs this checkout from its source tree (PYTHONPATH=the checkout; fused_zero/kernels
 # is a link to kernels/), under the python3 it finds, which must already have torch (CUDA build), triton,
@@ -9,13 +10,13 @@
 # The active environment is left as it was: no pip, no editable install.
 #
 # Steps, each with its own time limit (LIMIT below, seconds), in this order:
-#   nvidia-smi, versions         what the machine is;
+#   nvidia-smi, versions         what the machine is (both sets);
 #   gpu-kernels                  tests/gpu's kernel cases (pays the cold Triton cache: TRITON_CACHE_DIR
 #                                is one folder for every step, so later steps reuse what it compiled);
-#   gpu-engine, gpu-muon, gpu-several, gpu-graph, gpu-formats, gpu-host-sync, gpu-ranks, gpu-torch-sanitizer,
-#   gpu-state-dict
+#   gpu-engine, gpu-muon, gpu-several, gpu-graph, gpu-formats, gpu-host-sync, gpu-ranks, gpu-state-dict
 #                                the other tests/gpu cases, one pytest each (-k), so a failure or a
 #                                timeout names its case; a step whose cases are absent is "skipped";
+#   gpu-torch-sanitizer          (bench set) the world-1 engine under torch's CUDA sanitizer;
 #   memcheck                     compute-sanitizer's memcheck over one small case, where the machine has
 #                                compute-sanitizer (else "skipped");
 #   bench-kernels, bench-step    the update kernels at 1M-256M elements; one demo-GPT iteration per
@@ -25,11 +26,12 @@
 #   demo                         the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
 # The CPU suite is CI's job and is not rerun here.
 #
-# Budget: the limits and RESERVE (room for GPU cases being added) add up to at most
-# TOTAL_BUDGET (360 s), checked before anything runs; FINISH (30 s) more covers the summary and the
-# bundle: 6.5 minutes at most, so that a first run after a machine start (1-2 minutes) and one rerun
-# fit the 15 minutes of device time a session gets. A step gets what is left of TOTAL_BUDGET when that
-# is less than its limit, and is "skipped" when under 5 s are left.
+# Budget: a set's limits and RESERVE (room for GPU cases being added) add up to at most TOTAL_BUDGET
+# (360 s), checked before anything runs; FINISH (30 s) more covers the summary and the bundle: 6.5
+# minutes at most, so that a first run after a machine start (1-2 minutes) and one rerun fit the 15
+# minutes of device time a session gets. Both sets do not fit one session: on a cold Triton cache the
+# GPU tests alone take about 5.5 minutes (the first H200 run). A step gets what is left of TOTAL_BUDGET
+# when that is less than its limit, and is "skipped" when under 5 s are left.
 #
 # Results: OUTDIR/status.txt ("<step> <exit code or skipped> <seconds> <limit>"; 124: the step hit its
 # limit), OUTDIR/summary.txt (bench/gpu_summary.py), OUTDIR/measured.jsonl (every comparison with
@@ -42,10 +44,11 @@
 # lines, the budget check and the summary work where there is no GPU (tests/test_gpu_check.py).
 set -u
 
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUTDIR" >&2
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+    echo "usage: $0 OUTDIR [tests|bench]" >&2
     exit 2
 fi
+SET=${2:-tests}
 mkdir -p "$1"
 OUT="$(cd "$1" && pwd)"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -64,30 +67,28 @@ export GPU_MEASURE="$WORK/measured.jsonl"   # every comparison with torch.optim,
 : > "$OUT/status.txt"
 PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 
-# Estimates until a first run's status lines give the times. gpu-state-dict gets 75 s: two spawned gloo
-# ranks, 3 overlap modes, 30-60 s on a cold Triton cache (a rerun of that step alone, GPU_CHECK_ONLY, on a
-# fresh machine pays it), paid for by the 25 s the budget had left and 5 s from each of versions,
-# gpu-kernels (its compiles: ~12 s of the ~25 s CPU time test_ptx.py takes for two architectures),
-# gpu-engine, gpu-host-sync, bench-kernels, bench-step and demo. The CUDA-graph steps took the reserve's
-# 15 s and 20 s from gpu-state-dict (75) and memcheck (20): gpu-graph 15 (one spawned NCCL rank, 3
-# engines, 14 steps), bench-graph 20 (2 models x 3 systems x 40 iterations). The limits fill TOTAL_BUDGET.
-# The several-optimizer checks took 40 s: gpu-several 30 (Muon + AdamW under the sync debug mode in 3
-# modes, one GradScaler over two optimizers in 4 recipes, two capturable optimizers under OneCycleLR for
-# 30 steps) and 10 more for gpu-ranks (a refusal one gloo rank alone sees, 2 x 2 spawned ranks), paid
-# for by 5 s from each of gpu-kernels, gpu-engine, gpu-formats, gpu-torch-sanitizer, memcheck,
-# bench-kernels, bench-step and bench-graph.
+# Each set's limits come from the first H200 run (2026-12-04, bench/results/2026-12-04-h200-gpu-check:
+# torch 2.11 + Triton 3.6, every step a fresh process on a Triton cache the earlier steps filled), with
+# 10-20% to spare: versions 6 s, gpu-kernels 27 s (to its first failure), gpu-engine 28 (likewise),
+# gpu-muon 30, gpu-several 25, gpu-graph 26, gpu-formats 28, gpu-host-sync 31, gpu-ranks 63 (two cases, four
+# spawned gloo ranks), gpu-state-dict 27. The bench set's limits are estimates until a run of it: its steps
+# all ran out of their old 10-25 s (bench-kernels had done 40 of its cases in 20 s).
 declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
-    [gpu-kernels]=40 [gpu-engine]=15 [gpu-muon]=15 [gpu-several]=30 [gpu-graph]=15 [gpu-formats]=15
-    [gpu-host-sync]=15 [gpu-ranks]=35 [gpu-torch-sanitizer]=15 [gpu-state-dict]=75 [memcheck]=15
-    [bench-kernels]=20 [bench-step]=15 [bench-graph]=15 [demo]=10
+    [gpu-kernels]=40 [gpu-engine]=45 [gpu-muon]=32 [gpu-several]=30 [gpu-graph]=28 [gpu-formats]=30
+    [gpu-host-sync]=35 [gpu-ranks]=65 [gpu-state-dict]=30
+    [gpu-torch-sanitizer]=35 [memcheck]=40 [bench-kernels]=90 [bench-step]=60 [bench-graph]=60 [demo]=30
 )
-ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-several gpu-graph gpu-formats gpu-host-sync
-       gpu-ranks gpu-torch-sanitizer gpu-state-dict memcheck bench-kernels bench-step bench-graph demo)
+case "$SET" in
+    tests) ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-several gpu-graph gpu-formats
+                  gpu-host-sync gpu-ranks gpu-state-dict) ;;
+    bench) ORDER=(nvidia-smi versions gpu-torch-sanitizer memcheck bench-kernels bench-step bench-graph demo) ;;
+    *) echo "gpu_check: unknown set '$SET' (tests or bench)" >&2; exit 2 ;;
+esac
 
 sum=$RESERVE
 for name in "${ORDER[@]}"; do sum=$((sum + LIMIT[$name])); done
-echo "== budget: steps ${sum}s (reserve ${RESERVE}s included) of ${TOTAL_BUDGET}s, then ${FINISH}s for the summary"
+echo "== set $SET, budget: steps ${sum}s (reserve ${RESERVE}s included) of ${TOTAL_BUDGET}s, then ${FINISH}s for the summary"
 if [ "$sum" -gt "$TOTAL_BUDGET" ]; then
     echo "gpu_check: the step limits add up to ${sum}s, over TOTAL_BUDGET=${TOTAL_BUDGET}s: lower a LIMIT" >&2
     exit 2
@@ -97,6 +98,7 @@ START=$(date +%s)
 step() {  # step NAME COMMAND...: runs it under LIMIT[NAME]; exit 5 (pytest: no case selected) is "skipped"
     local name=$1 limit=${LIMIT[$1]}
     shift
+    [[ " ${ORDER[*]} " == *" $name "* ]] || return 0  # a step of the other set
     if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
         echo "$name skipped 0 $limit" >> "$OUT/status.txt"
         return
@@ -141,7 +143,9 @@ gpu gpu-host-sync "never_syncs_the_host"
 gpu gpu-ranks "two_gloo_ranks or nccl_on_two_gpus"
 gpu gpu-torch-sanitizer "cuda_sanitizer"
 gpu gpu-state-dict "state_dict"
-if [ -n "$DRY" ] || command -v compute-sanitizer > /dev/null; then
+if [[ " ${ORDER[*]} " != *" memcheck "* ]]; then
+    :  # a step of the other set
+elif [ -n "$DRY" ] || command -v compute-sanitizer > /dev/null; then
     # one small case (GPU_CHECK_MEMCHECK_CASE, a case_ of gpu_cases.py), its kernels compiled already (the
     # cache above); "skipped" where the case is absent (5) or cannot run on this machine (77)
     export MEMCHECK_CASE=${GPU_CHECK_MEMCHECK_CASE:-rank0_state_dict}

@@ -182,17 +182,26 @@ class _PinnedRing:
     one is added: the host never waits here. (A bound with a host wait on the oldest buffer stalled the
     backward as soon as more same-shaped tables were in flight than the bound, e.g. the used flags of a
     transformer's identical layers with ``find_unused_parameters``.) Idle buffers beyond ``keep`` per
-    shape are dropped, so the ring shrinks back once the burst is over.
+    shape are dropped, so the ring shrinks back once the burst is over, and so are the rings of shapes
+    no longer uploaded (``_drop_stale``).
     """
 
-    def __init__(self, api, keep: int = 16):
+    def __init__(self, api, keep: int = 16, stale: int = 256):
         self.api = api
         self.keep = keep
+        self.stale = stale
         self.rings: dict[tuple, list[tuple]] = {}  # (shape, dtype) -> [(buffer, event), ...], oldest first
+        self._used: dict[tuple, int] = {}  # (shape, dtype) -> the take that used it last
+        self._takes = 0
 
     def take(self, table: torch.Tensor) -> tuple[torch.Tensor, object]:
         """A pinned buffer holding ``table``'s values and the event to record after copying it."""
-        ring = self.rings.setdefault((tuple(table.shape), table.dtype), [])
+        key = (tuple(table.shape), table.dtype)
+        self._takes += 1
+        self._used[key] = self._takes
+        if self._takes % 64 == 0:
+            self._drop_stale()
+        ring = self.rings.setdefault(key, [])
         idle = [i for i, (_, event) in enumerate(ring) if event.query()]
         if idle:
             slot = ring.pop(idle[0])
@@ -203,3 +212,11 @@ class _PinnedRing:
         ring.append(slot)  # the most recently used last: the next search finds older ones first
         slot[0].copy_(table)
         return slot
+
+    def _drop_stale(self) -> None:
+        """Drop the rings of shapes no upload used in the last ``stale`` takes once their copies are done
+        (a table that grew leaves its old shape behind), so the pinned bytes are those of the shapes
+        in use, whatever the number of steps."""
+        for key, last in list(self._used.items()):
+            if self._takes - last > self.stale and all(event.query() for _, event in self.rings[key]):
+                del self.rings[key], self._used[key]

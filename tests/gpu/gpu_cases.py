@@ -585,12 +585,12 @@ def _rank0_checkpoint(rank, world):
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
         for step in range(1, 5):
             x, y = (t.to(dev) for t in batch(step, 0, rank))
-            F.cross_entropy(ref_ddp(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            F.cross_entropy(ref_ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
             ref_opt.step()
             ref_opt.zero_grad()
             with torch.cuda.stream(opt._engine.side.stream):
                 torch.cuda._sleep(SLEEP_CYCLES)  # every update of this iteration queues behind it
-            F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            F.cross_entropy(ddp(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
             opt.step()
             opt.zero_grad()
             if rank != 0:

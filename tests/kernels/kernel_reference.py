@@ -79,8 +79,9 @@ def _store_moment(t, scales, si, block, x, signed):
     elif t.dtype == torch.bfloat16:
         t[si] = x.to(torch.bfloat16)  # round to nearest even
     else:
-        s = torch.zeros(scales.numel()).scatter_reduce_(0, block, x.abs(), "amax", include_self=False)
-        touched = torch.zeros(scales.numel(), dtype=torch.bool)
+        s = torch.zeros(scales.numel(), device=x.device).scatter_reduce_(0, block, x.abs(), "amax",
+                                                                         include_self=False)
+        touched = torch.zeros(scales.numel(), dtype=torch.bool, device=x.device)
         touched[block] = True
         scales[touched] = s[touched]
         per = s[block]
