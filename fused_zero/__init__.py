@@ -5,7 +5,11 @@ backward and the next forward."""
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
-from .optimizer import SGD, Adam, AdamW, Muon
+from . import versions as _versions
+
+_versions.check_installed()  # torch and Triton inside the tested range, or an error / a warning naming it
+
+from .optimizer import SGD, Adam, AdamW, Muon  # noqa: E402
 
 __all__ = ["Adam", "AdamW", "Muon", "SGD", "__version__"]
 
