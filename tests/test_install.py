@@ -39,7 +39,8 @@ def built(tmp_path_factory):
     out = {}
     for kind in ("wheel", "sdist"):
         build = f"from setuptools import build_meta as b; print(b.build_{kind}({str(tmp)!r}))"
-        res = _run([sys.executable, "-c", build], clone)
+        # -P: the clone's kernels/ must not shadow an installed package named kernels (transformers' dependency)
+        res = _run([sys.executable, "-P", "-c", build], clone)
         if res.returncode != 0:
             pytest.skip(f"setuptools cannot build the {kind} here: {res.stderr.strip()[-400:]}")
         out[kind] = tmp / res.stdout.strip().splitlines()[-1]

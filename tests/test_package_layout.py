@@ -3,12 +3,13 @@ kernels/ is parsed, its imports resolved, and each import checked against what i
 
     kernels      nothing of fused_zero, and nothing of torch.distributed
     options      nothing of fused_zero
+    versions     nothing of fused_zero (the tested torch and Triton range, checked at import)
     update       kernels
     pipeline     kernels, options, update
     checkpoint   kernels, options, update, pipeline
     streamcheck  kernels, options, update, pipeline
     optimizer    options, update, pipeline, checkpoint
-    root         (fused_zero/__init__.py) optimizer
+    root         (fused_zero/__init__.py) optimizer, versions
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
     demo         root, optimizer, options
 
@@ -28,12 +29,13 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")
 ALLOWED = {
     "kernels": set(),
     "options": set(),
+    "versions": set(),
     "update": {"kernels"},
     "pipeline": {"kernels", "options", "update"},
     "checkpoint": {"kernels", "options", "update", "pipeline"},
     "streamcheck": {"kernels", "options", "update", "pipeline"},
     "optimizer": {"options", "update", "pipeline", "checkpoint"},
-    "root": {"optimizer"},
+    "root": {"optimizer", "versions"},
     "integrations": {"root", "optimizer", "options", "integrations"},
     "demo": {"root", "optimizer", "options"},
 }
