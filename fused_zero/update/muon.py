@@ -19,7 +19,9 @@ from ..kernels import sgd_coefficients
 from . import step_columns
 from .algorithms import Algorithm, _check_nonneg, _per_param
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (
+    ("spectral_unclamped",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14) else ())
+"""What torch.optim.Muon of the installed torch takes: 2.14 added "spectral_unclamped" (sqrt(A / B))."""
 
 
 class MuonAlgorithm(Algorithm):
@@ -42,8 +44,8 @@ class MuonAlgorithm(Algorithm):
         for key in ("lr", "momentum", "weight_decay", "eps"):
             _check_nonneg(group, i, key)
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(f"param group {i}: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported: "
-                             "use None, 'original' or 'match_rms_adamw'")
+            raise ValueError(f"param group {i}: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported by "
+                             f"torch {torch.__version__}'s Muon: use one of {ADJUST_LR_FNS}")
         if not 0 < int(group["ns_steps"]) < 100 or int(group["ns_steps"]) != group["ns_steps"]:
             raise ValueError(f"param group {i}: ns_steps must be an integer from 1 to 99, got {group['ns_steps']!r}")
         if len(tuple(group["ns_coefficients"])) != 3:
@@ -140,6 +142,8 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "spectral_unclamped":
+        ratio = math.sqrt(rows / cols)
     else:
         ratio = 1.0
     return lr * ratio

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fused_zero
 from fused_zero.pipeline.whole_matrix import owners
+from fused_zero.update.muon import ADJUST_LR_FNS
 
 
 def test_every_mode_and_bucket_size_two_ranks():
@@ -39,6 +40,25 @@ OPTIONS = {
     "plain momentum, AdamW's rms": dict(kwargs={"nesterov": False, "adjust_lr_fn": "match_rms_adamw",
                                                 "momentum": 0.9, "ns_steps": 3}),
 }
+if "spectral_unclamped" in ADJUST_LR_FNS:  # torch 2.14 on: sqrt(A / B), below 1 for a wide matrix
+    OPTIONS["Bernstein's unclamped lr"] = dict(kwargs={"adjust_lr_fn": "spectral_unclamped"})
+
+
+def test_adjust_lr_fn_is_the_installed_torchs():
+    """What torch.optim.Muon of this torch takes, fused_zero.Muon takes; what it refuses, refused too."""
+    for fn in ("original", "match_rms_adamw", "spectral_unclamped", "rms"):
+        weight = torch.nn.Parameter(torch.zeros(4, 3))
+        try:
+            torch.optim.Muon([weight], adjust_lr_fn=fn)
+            torch_takes = True
+        except ValueError:
+            torch_takes = False
+        model = torch.nn.Linear(3, 4, bias=False)
+        if torch_takes:
+            fused_zero.Muon(model.parameters(), ddp=model, adjust_lr_fn=fn)
+        else:
+            with pytest.raises(ValueError, match="adjust_lr_fn"):
+                fused_zero.Muon(model.parameters(), ddp=model, adjust_lr_fn=fn)
 
 
 def test_options_two_ranks():
