@@ -41,6 +41,13 @@ class GradWatch:
     def _record(self) -> None:
         self.seen = [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
 
+    def record_again(self) -> None:
+        """DDP wrote the reduced gradients back later than its callback (``ddp.finalize_backward()``,
+        pipeline/hooks.py ``FinalizeWatch``): what it wrote is the backward's, not an edit. Before the
+        recording callback has run, nothing to do: it records after this."""
+        if self.seen is not None:
+            self._record()
+
     def edited(self, pids) -> list[int]:
         """Which of the parameters ``pids`` (indices) had their ``.grad`` changed since it was recorded:
         each optimizer over the module asks for its own at its ``step()``, before its ``zero_grad()``

@@ -55,6 +55,8 @@ def register(engine, handles: list) -> None:
     if engine.reduction.track_used:
         for p, pid in gathered.items():
             handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
+    if hasattr(ddp, "finalize_backward"):  # torch 2.15's manual backward finalization
+        handles.append(FinalizeWatch(engine, ddp))
     state = HookState(engine)
     try:
         ddp.register_comm_hook(state, _comm_hook)
@@ -127,3 +129,31 @@ class MarkUsed:
 
     def __call__(self, param):
         self.engine.reduction.used_local[self.pid] = True
+
+
+class FinalizeWatch:
+    """torch 2.15's ``ddp.require_manual_backward_finalization = True``: DDP writes the reduced gradients
+    back into ``param.grad`` in ``ddp.finalize_backward()``, which the user calls after the backward (or
+    from a backward hook), not in its own end-of-backward callback. That write is DDP finishing the
+    backward, not a user's edit of ``.grad``: the gradients are recorded again once it returns
+    (pipeline/grad_watch.py). Installed on the DDP instance; ``remove()`` puts DDP's own method back."""
+
+    def __init__(self, engine, ddp):
+        self.engine = weakref.ref(engine)
+        self.ddp = ddp
+        self.own = ddp.__dict__.get("finalize_backward")  # an instance attribute already there, if any
+        ddp.finalize_backward = self
+
+    def __call__(self, *args, **kwargs):
+        finalize = self.own if self.own is not None else type(self.ddp).finalize_backward.__get__(self.ddp)
+        out = finalize(*args, **kwargs)
+        engine = self.engine()
+        if engine is not None:
+            engine.policy.watch.record_again()
+        return out
+
+    def remove(self) -> None:
+        if self.own is not None:
+            self.ddp.finalize_backward = self.own
+        else:
+            self.ddp.__dict__.pop("finalize_backward", None)
