@@ -89,7 +89,8 @@ def all_gather_object(obj, group) -> list:
 
 
 def backend_of(group, device: torch.device) -> str:
-    """The backend that runs ``group``'s collectives on ``device``'s tensors ("gloo", "nccl", ...).
+    """The backend that runs ``group``'s collectives on ``device``'s tensors ("gloo", "nccl", ...; every
+    NCCL variant reads "nccl", ``NCCL_NAMES``).
 
     Asked per device type: a process group holds one backend per device type, built from the backend
     config that ``dist.get_backend_config`` reports ("cpu:gloo,cuda:nccl" for torchtitan's string;
@@ -102,7 +103,13 @@ def backend_of(group, device: torch.device) -> str:
     if kind not in served:
         raise ValueError(f"no backend of the process group ({config}) runs {kind} tensors: give "
                          f"init_process_group (or new_group) one, e.g. backend=\"cpu:gloo,cuda:nccl\"")
-    return served[kind]
+    return "nccl" if served[kind] in NCCL_NAMES else served[kind]
+
+
+NCCL_NAMES = ("nccl", "nccl2", "nccl-lazy", "nccl-legacy")
+"""The names NCCL's process groups go by: torch 2.14 on registers "nccl2" (ProcessGroupNCCL2, which
+torch 2.15's "nccl" is by default), "nccl-lazy" and "nccl-legacy" (the classic ProcessGroupNCCL) beside
+"nccl". Each runs NCCL's collectives with Works that have Futures: the same choices as "nccl"."""
 
 
 def reduce_scatter_has_future(group, device: torch.device) -> bool:

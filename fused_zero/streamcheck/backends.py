@@ -22,11 +22,16 @@ GPU_REPORTS = {
     "nccl": ("nccl", "cuda:nccl"),
     "cpu:gloo,cuda:nccl": ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
     None: ("undefined", "cuda:nccl"),
+    "nccl2": ("nccl2", "cuda:nccl2"),
+    "nccl-lazy": ("nccl-lazy", "cuda:nccl-lazy"),
+    "nccl-legacy": ("nccl-legacy", "cuda:nccl-legacy"),
 }
 """``init_process_group(backend=...)`` -> what ``dist.get_backend`` and ``dist.get_backend_config`` then
 report on a GPU machine (torch 2.13: with no backend, the accelerator's default only; earlier torch
 also listed "cpu:gloo", which changes nothing for CUDA tensors). Groups made by ``new_group`` without a
-backend report the same."""
+backend report the same. torch 2.14 registers the NCCL backend's variants under their own names
+("nccl2": ProcessGroupNCCL2 on the torchcomms engine, which 2.15's "nccl" is unless
+``TORCH_DIST_USE_NCCL2=0``; "nccl-lazy"; "nccl-legacy": the classic ProcessGroupNCCL)."""
 
 MODELED_NCCL = (2, 21, 5)
 """The NCCL version reported: any that the supported torch builds ship (2.10 and later sum bfloat16)."""

@@ -2,7 +2,8 @@
 device, so it follows the backend that actually runs that device's tensors.
 
 - ``test_choices_per_device_on_a_gpu_machine``: what a process group reports on a GPU machine after
-  ``init_process_group`` with "nccl", "cpu:gloo,cuda:nccl" and no backend (stubbed: no CUDA here, and
+  ``init_process_group`` with "nccl", "cpu:gloo,cuda:nccl", no backend, and torch 2.14's NCCL variants
+  "nccl2", "nccl-lazy", "nccl-legacy" (stubbed: no CUDA here, and
   a CPU build of torch cannot make an NCCL group): CUDA tensors take NCCL's choices (the reduce-scatter,
   its future handed to DDP, the all-gather, bf16 from NCCL 2.10), CPU tensors of the mixed group gloo's,
   and a device no backend runs is refused, naming the fix.
@@ -44,7 +45,7 @@ def test_choices_per_device_on_a_gpu_machine(reports):
             assert collectives.all_reduce_replaces_reduce_scatter(GROUP, CPU)
             assert collectives.broadcast_replaces_all_gather(GROUP, CPU)
         else:
-            with pytest.raises(ValueError, match=r"no backend of the process group \(cuda:nccl\) runs cpu tensors"):
+            with pytest.raises(ValueError, match=rf"no backend of the process group \({reports[1]}\) runs cpu tensors"):
                 collectives.backend_of(GROUP, CPU)
     with backends.reported(*reports, nccl=(2, 9, 6)):
         assert not collectives.reduces_in(GROUP, torch.bfloat16, CUDA)  # NCCL sums bf16 from 2.10
