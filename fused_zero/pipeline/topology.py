@@ -249,17 +249,34 @@ def _local(ddp_group, world: int, device: torch.device) -> bool:
     they agree (a collective of DDP's group) that each has made as many groups as the others."""
     if world == 1 or world == dist.get_world_size():
         return False
-    made = torch.tensor([len(dist.distributed_c10d._world.pg_names)], dtype=torch.int64, device=device)
-    counts = torch.empty(world, dtype=torch.int64, device=device)
-    collectives.all_gather(counts, made, ddp_group, async_op=False)
-    if len(set(counts.tolist())) > 1:
+    made = torch.tensor([_naming_key()], dtype=torch.int64, device=device)
+    keys = torch.empty(world, dtype=torch.int64, device=device)
+    collectives.all_gather(keys, made, ddp_group, async_op=False)
+    keys = keys.tolist()
+    if len(set(keys)) > 1:
+        apart = [r for r, k in enumerate(keys) if k != keys[0]]
         raise ValueError(
             f"DDP runs on a subgroup of the world, whose ranks have made different numbers of process groups "
-            f"so far ({counts.tolist()}, in the group's rank order): a group fused_zero makes of some of them "
-            "would get a different name on each (torch names a group made by its members alone after its ranks "
-            "and that count), and they would wait for each other forever. Make the same process groups, in the "
-            "same order, on every rank of DDP's group before building the optimizer")
+            f"so far (ranks {apart} of DDP's group against its rank 0, as torch {torch.__version__} counts "
+            "them): a group fused_zero makes of some of them would get a different name on each (torch names "
+            "a group made by its members alone after its ranks and that count), and they would wait for each "
+            "other forever. Make the same process groups, in the same order, on every rank of DDP's group "
+            "before building the optimizer")
     return True
+
+
+def _naming_key() -> int:
+    """What torch names a group made by its members alone after, besides its ranks, as an integer: torch's
+    own ``_hash_ranks_to_str`` of one fixed rank list. It reads the count of groups this rank has
+    registered up to torch 2.13 (``len(_world.pg_names)``), and of group creations it has reached from 2.14
+    on (``_world.group_count``, which also counts groups the rank is not a member of): comparing the
+    names, not one of the counts, follows the installed torch."""
+    c10d = dist.distributed_c10d
+    name = getattr(c10d, "_hash_ranks_to_str", None)
+    if name is not None:
+        return int(name([0])[:15], 16)
+    world = c10d._world
+    return getattr(world, "group_count", len(world.pg_names))
 
 
 def post_update_groups(topo: Topology) -> tuple[object, object]:

@@ -78,3 +78,40 @@ def test_a_subgroup_whose_ranks_made_different_groups_is_refused_not_hung():
     assert out[1] == out[3] == "built", out
     for message in (out[0], out[2]):
         assert "different numbers of process groups" in message, message
+
+
+def _history(rank, world, scenario):
+    """Groups made before DDP's: "A", every rank makes ``{0, 1}`` (ranks 2 and 3 are not in it); "B", A and
+    then rank 2 alone a group of its own. Returns whether torch would give the next group made by
+    ``{0, 2}`` alone the same name on both (its own naming function), and what building the optimizer did."""
+    groups = [dist.new_group(ranks) for ranks in LAYOUTS["strided"]]
+    dist.new_group([0, 1])
+    if scenario == "B" and rank == 2:
+        dist.new_group([2], use_local_synchronization=True)
+    name = dist.distributed_c10d._hash_ranks_to_str([0, 2])
+    (model, ddp), _ = models({"process_group": groups[rank % 2]})
+    try:
+        opt = optimizer("AdamW", list(ddp.parameters()), True, ddp=ddp, overlap="bucket")
+        outcome = "built"
+        opt._engine.close()
+    except ValueError as e:
+        outcome = str(e)
+    names = [None] * world
+    dist.all_gather_object(names, name)
+    return names[0] == names[2], outcome
+
+
+def test_the_group_count_is_the_one_the_installed_torch_names_groups_by():
+    """torch 2.13 names a group made by its members alone after the groups a rank registered; 2.14 on, after
+    the group creations it reached (members or not). Where {0, 2}'s next name agrees on both ranks the
+    optimizer builds (an needless refusal before); where it does not, it refuses on both instead of the
+    ranks waiting for each other forever."""
+    for scenario in ("A", "B"):
+        out = run_ranks(_history, 4, scenario)
+        agree, built = out[0][0], [o[1] for o in out]
+        assert out[2][0] == agree, out
+        if agree:
+            assert built[0] == built[2] == "built", (scenario, built)
+        else:
+            for message in (built[0], built[2]):
+                assert "different numbers of process groups" in message, (scenario, message)
