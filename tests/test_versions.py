@@ -74,7 +74,8 @@ def test_the_import_checks_the_torch_it_finds():
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
             "    import fused_zero\n"
-            "print([type(w.message).__name__ for w in seen], fused_zero.AdamW.__name__)")
+            "print([type(w.message).__name__ for w in seen if 'torch 2.16.0' in str(w.message)], "
+            "fused_zero.AdamW.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     assert "['UntestedVersionWarning'] AdamW" in out.stdout, out.stdout + out.stderr
