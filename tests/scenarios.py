@@ -94,7 +94,17 @@ class Case:
 
 
 DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
-                   "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01), "Muon": dict(lr=2e-2, weight_decay=0.1)}
+                   "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01), "Muon": dict(lr=2e-2, weight_decay=0.1),
+                   # torch.optim's elementwise optimizers (fused_zero/optimizer/twins.py): each with its
+                   # options that change the update on (weight decay, momentum, centering, a nonzero start)
+                   "Adagrad": dict(lr=5e-2, lr_decay=1e-3, weight_decay=0.01, initial_accumulator_value=0.1),
+                   "Adadelta": dict(lr=1.0, rho=0.9, weight_decay=0.01),
+                   "Adamax": dict(lr=1e-2, weight_decay=0.01),
+                   "ASGD": dict(lr=5e-2, lambd=1e-3, t0=3, weight_decay=0.01),
+                   "NAdam": dict(lr=1e-2, weight_decay=0.01, momentum_decay=4e-3),
+                   "RAdam": dict(lr=1e-2, weight_decay=0.01),
+                   "RMSprop": dict(lr=1e-3, momentum=0.9, centered=True, weight_decay=0.01),
+                   "Rprop": dict(lr=1e-2)}
 
 
 def param_groups(model: nn.Module, case: Case):

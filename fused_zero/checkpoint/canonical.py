@@ -38,12 +38,44 @@ from .checks import MASTER_KEY
 
 
 def has_state(engine, i: int) -> bool:
-    """torch.optim creates a parameter's state on its first step (SGD: only with momentum)."""
-    if engine.counts()[i] == 0:
+    """torch.optim creates a parameter's state on its first step (SGD: only with momentum; Adagrad: when
+    it is built)."""
+    algo, count = engine.algo, engine.counts()[i]
+    if hasattr(algo, "has_state"):
+        return algo.has_state(count, engine.opt.param_groups[engine.group_of[i]])
+    if count == 0:
         return False
-    if engine.algo.kind == "sgd":
+    if algo.kind == "sgd":
         return engine.opt.param_groups[engine.group_of[i]]["momentum"] != 0
     return True
+
+
+def keeps_step(engine) -> bool:
+    """Whether torch.optim keeps ``step`` in each parameter's state (not SGD's, nor Muon's)."""
+    return engine.algo.kind == "adam" or getattr(engine.algo, "keeps_step", False)
+
+
+def state_names_of(engine, shard, i: int) -> list[str]:
+    """The state names torch.optim keeps for parameter ``i`` (the shard's, less what its param group
+    has no use for: RMSprop's momentum buffer without momentum)."""
+    names = engine.names(shard)
+    group_has = getattr(engine.algo, "group_has", None)
+    if group_has is None:
+        return names
+    group = engine.opt.param_groups[engine.group_of[i]]
+    return [n for n in names if n == "master" or group_has(n, group)]
+
+
+def scalar_entries(engine, i: int) -> dict:
+    """Parameter ``i``'s 0-dim state beside the tensors (NAdam's ``mu_product``, ASGD's ``eta`` and
+    ``mu``), kept on every rank (update/elementwise.py), on the CPU."""
+    algo = engine.algo
+    names = getattr(getattr(algo, "spec", None), "scalars", ())
+    if not names:
+        return {}
+    group = engine.opt.param_groups[engine.group_of[i]]
+    return {name: algo.scalar(int(engine.pids[i]), name, group, engine.device).detach().cpu().clone()
+            for name in names}
 
 
 def param_index(opt) -> dict[int, int]:
@@ -113,6 +145,7 @@ class StateDictBuilder:
         self.fingerprint = layout_fingerprint(engine)
         self._index = param_index(engine.opt)
         self.state: dict[int, dict] = {}
+        self._fresh: list[tuple] = []  # (flat entry, value) of state made before any step, set in result()
         self._targets: dict[int, tuple] = {}  # id(shard) -> (offsets, numels, per parameter {name: flat entry})
         for shard in engine.shards():
             layout = shard.layout
@@ -127,12 +160,16 @@ class StateDictBuilder:
             return None
         p = e.params[i]
         entry = self.state.setdefault(self._index[id(p)], {})
-        if e.algo.kind == "adam":
+        if keeps_step(e):
             entry["step"] = torch.tensor(float(e.counts()[i]), dtype=torch.float32, device="cpu")
+        fresh = e.counts()[i] == 0  # state torch makes before the first step (Adagrad's): its first values
         flats = {}
-        for name in e.names(shard):  # bucket order is the parameter's memory order (strides.py)
+        for name in state_names_of(e, shard, i):  # bucket order is the parameter's memory order (strides.py)
             flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
+            if fresh and name != "master":
+                self._fresh.append((flats[name], e.algo.fresh(name, e.opt.param_groups[e.group_of[i]])))
+        entry.update(scalar_entries(e, i))
         return flats
 
     def add(self, shard, name: str, lo: int, values: torch.Tensor) -> None:
@@ -143,7 +180,7 @@ class StateDictBuilder:
         while j < len(offsets) and offsets[j] < hi:
             off, n, flats = offsets[j], numels[j], rows[j]
             a, b = max(lo, off), min(hi, off + n)
-            if flats is not None and a < b:
+            if flats is not None and a < b and name in flats:
                 flats[name][a - off:b - off].copy_(values[a - lo:b - lo])
             j += 1
 
@@ -161,6 +198,8 @@ class StateDictBuilder:
         return self
 
     def result(self) -> dict:
+        for flat, value in self._fresh:
+            flat.fill_(value)
         # torch.optim's order: parameters by index, step first, then the state tensors
         state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
@@ -196,12 +235,13 @@ def local_entry(engine, i: int) -> dict:
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
             if owner in (me, REPLICATED)]
     entry = {}
-    if engine.algo.kind == "adam":
+    if keeps_step(engine):
         entry["step"] = torch.tensor(float(engine.counts()[i]), dtype=torch.float32, device="cpu")
     engine.synchronize()
-    for name in engine.names(shard):
+    for name in state_names_of(engine, shard, i):
         region = shard.values(name)
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()
         entry[MASTER_KEY if name == "master" else name] = value
+    entry.update(scalar_entries(engine, i))
     return entry

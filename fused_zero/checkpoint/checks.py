@@ -8,6 +8,7 @@ The error names the first difference found, in the optimizer's parameter order.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import torch
@@ -24,6 +25,25 @@ _FOREIGN_STATE = {"adam": ("momentum_buffer",), "sgd": ("exp_avg", "exp_avg_sq",
 _GROUP_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"),
                "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
                "muon": ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients", "ns_steps")}
+
+
+def _add_elementwise() -> None:
+    """torch.optim's elementwise optimizers (update/elementwise.py): named as torch names them; a state
+    name another of them keeps and this one does not is foreign; the group keys are the torch class's
+    hyperparameters (its defaults less the implementation flags)."""
+    from ..update.elementwise import SPECS
+
+    flags = {"foreach", "maximize", "capturable", "differentiable", "fused"}
+    known = {n for spec in SPECS.values() for n in (*spec.state, *spec.scalars)} | \
+        {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}
+    for spec in SPECS.values():
+        _KIND_NAMES[spec.kind] = spec.name
+        _FOREIGN_STATE[spec.kind] = tuple(sorted(known - set(spec.state) - set(spec.scalars)))
+        params = inspect.signature(spec.torch_class.__init__).parameters
+        _GROUP_KEYS[spec.kind] = tuple(k for k in params if k not in ("self", "params") and k not in flags)
+
+
+_add_elementwise()
 
 
 class StateDictError(ValueError):
@@ -96,7 +116,12 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
     for name in required:
         if entry.get(name) is None:
             raise StateDictError(f"{where} lacks {name!r}, which {_KIND_NAMES[kind]} needs")
+    scalars = getattr(getattr(engine.algo, "spec", None), "scalars", ())
     for name, value in entry.items():
+        if name in scalars:
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
+                raise StateDictError(f"{where}: state {name!r} should be one finite number, got {value!r}")
+            continue
         if name == "step":
             step = float(value.item() if isinstance(value, torch.Tensor) else value)
             if not (math.isfinite(step) and step >= 0 and step == int(step)):

@@ -157,13 +157,18 @@ def _check(target: Target, sd):
     for g, s in zip(opt.param_groups, sd["param_groups"]):
         for p, i in zip(g["params"], s["params"]):
             saved_index[id(p)] = i
-    required = target.algo.state_names() + (["step"] if kind == "adam" else [])
+    algo = target.algo
+    required = algo.state_names() + (["step"] if kind == "adam" or getattr(algo, "keeps_step", False) else [])
+    scalars = list(getattr(getattr(algo, "spec", None), "scalars", ()))
+    group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
     entries = {}
     for pid, p in enumerate(target.params):
         key = saved_index[id(p)]
         entry = sd["state"].get(key, {})
         where = f"parameter {key} (shape {tuple(p.shape)})"
-        checks.check_entry(target, pid, where, entry, p.shape, required)
+        group = groups[group_of[id(p)]]
+        needs = [n for n in required if not hasattr(algo, "group_has") or n == "step" or algo.group_has(n, group)]
+        checks.check_entry(target, pid, where, entry, p.shape, needs + scalars)
         master = entry.get(MASTER_KEY)
         if master is not None and target.masters[pid]:
             if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
@@ -207,7 +212,19 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     steps = engine.steps
     for i, saved in entries.items():
         steps[i] = saved_step(engine, saved)
+        load_scalars(engine, i, saved)
     engine.steps = steps
+
+
+def load_scalars(engine, i: int, saved: dict) -> None:
+    """Parameter ``i``'s 0-dim state (update/elementwise.py), kept on every rank, from its saved entry;
+    a parameter the dict has no state for makes them afresh at its first step."""
+    algo = engine.algo
+    for name in getattr(getattr(algo, "spec", None), "scalars", ()):
+        if saved.get(name) is not None:
+            algo.set_scalar(int(engine.pids[i]), name, saved[name], engine.device)
+        else:
+            algo.scalars[name].pop(int(engine.pids[i]), None)
 
 
 def saved_step(engine, saved: dict) -> float:

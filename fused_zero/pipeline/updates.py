@@ -163,7 +163,8 @@ class Updates:
         for j, (m, pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
             e.step_counts.count(pids, table, found[m:m + 1], e.scratch.under("member", m, "count", j))
         args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=it.clip,
-                        stochastic=e.options.stochastic_rounding) for m in members}
+                        stochastic=e.options.stochastic_rounding, hparams=it.hparams[m], group_of=e.group_of)
+                for m in members}
         for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
             member = e.members[m]
             if member.algo.phased and any(m in item.shard.member_set for item in items):
@@ -178,6 +179,12 @@ class Updates:
                         unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks,
                         **args[unit.member]))
             gathers(j)
+        for m in members:  # what every rank keeps of each parameter, with or without a piece of it
+            finish = getattr(e.members[m].algo, "finish", None)
+            for item, tables in zip(items, coefs) if finish is not None else ():
+                shard = item.shard
+                if m in shard.member_set:
+                    finish(shard.pids[shard.members == m], tables[m], UpdateArgs(None, None, {}, **args[m]))
         gathers(len(units))
         if joined:
             for item in items:

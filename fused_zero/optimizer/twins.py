@@ -1,0 +1,79 @@
+"""fused_zero's twins of torch.optim's elementwise optimizers (update/elementwise.py): Adagrad, Adadelta,
+Adamax, ASGD, NAdam, RAdam, RMSprop and Rprop.
+
+Each takes torch.optim.<Name>'s arguments, positional and keyword, with the installed torch's defaults
+and checks: its arguments go through torch.optim.<Name>'s own constructor (over one scalar stand-in
+parameter), whose errors are the user's, and whose ``defaults`` become the twin's, key for key, so
+that state dicts move between the two. The sharding options (options.OPTIONS) and ``ddp`` are
+keyword-only beside them, as for every fused_zero optimizer.
+
+torch.optim's ``LBFGS`` and ``SparseAdam`` have no twin: LBFGS's step re-evaluates the whole model
+through a closure, several times per step, with a history of whole-model vectors, which no slice of a
+bucket can run; SparseAdam takes sparse gradients, which DDP does not put in buckets.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..update.elementwise import SPECS, ElementwiseAlgorithm
+from .base import _ShardedOptimizer
+
+NO_TWIN = {
+    "LBFGS": "its step() re-evaluates the whole model through a closure several times, with a history of "
+             "whole-model vectors; no rank's slice of the buckets can take such a step. Run torch.optim.LBFGS "
+             "under plain DDP",
+    "SparseAdam": "it takes sparse gradients (nn.Embedding(sparse=True)), which DDP does not reduce in buckets; "
+                  "keep torch.optim.SparseAdam for those parameters beside a fused_zero optimizer over the rest",
+}
+"""torch.optim's optimizers without a fused_zero twin, and why (``fused_zero.LBFGS`` raises it)."""
+
+
+def _torch_defaults(cls: type, name: str, args: tuple, kwargs: dict) -> dict:
+    """torch.optim.<name>'s ``defaults`` for these arguments, its own checks run on them."""
+    stand_in = torch.zeros((), requires_grad=True)
+    return dict(cls([stand_in], *args, **kwargs).defaults)
+
+
+class _Twin(_ShardedOptimizer):
+    _spec_name: str
+
+    def __init__(self, params, *args, ddp=None, **kwargs):
+        spec = SPECS[self._spec_name]
+        accepted = inspect.signature(spec.torch_class.__init__).parameters
+        torch_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in accepted and k not in ("self", "params")}
+        defaults = _torch_defaults(spec.torch_class, spec.name, args, torch_kwargs)
+        super().__init__(params, defaults)
+        algorithm = ElementwiseAlgorithm(spec, self.param_groups, self.defaults)
+        algorithm.check_options(kwargs, spec.name)
+        for i, group in enumerate(self.param_groups):
+            if "state_format" in group:
+                algorithm.check_options({"state_format": group["state_format"]}, f"param group {i}")
+        self._start(ddp, algorithm, kwargs, differentiable=bool(defaults.get("differentiable", False)))
+
+
+def _twin(name: str) -> type:
+    spec = SPECS[name]
+    signature = inspect.signature(spec.torch_class.__init__)
+    doc = (f"torch.optim.{name}, sharded across DDP ranks: its arguments, defaults and checks (the installed "
+           f"torch's), its update (torch's own, over this rank's slices of the buckets) and its state dict; "
+           "plus ``ddp`` and the sharding options (options.OPTIONS), keyword-only.\n\n"
+           f"torch.optim.{name}{signature}")
+    cls = type(name, (_Twin,), {"_spec_name": name, "__doc__": doc, "__module__": "fused_zero"})
+    return cls
+
+
+Adagrad = _twin("Adagrad")
+Adadelta = _twin("Adadelta")
+Adamax = _twin("Adamax")
+ASGD = _twin("ASGD")
+NAdam = _twin("NAdam")
+RAdam = _twin("RAdam")
+RMSprop = _twin("RMSprop")
+Rprop = _twin("Rprop")
+
+TWINS = ("Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+
+__all__ = ["ASGD", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop"]

@@ -1,0 +1,334 @@
+"""torch.optim's elementwise optimizers (Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop)
+over a rank's element slices of the buckets, by torch's own update functions.
+
+Each of these updates every element of a parameter from that element's gradient and state alone, with
+scalars that depend on the parameter (its step count, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``)
+and its param group. So a piece of a parameter updated by ``torch.optim.<module>.<function>`` (the
+functional form torch.optim's ``step()`` calls) gets the bits the whole parameter would: the same ops on
+the same values, with the same Python scalars. The pieces are views of the rank's state region (decoded
+copies for bf16 moments) and of its fp32 masters; nothing is reimplemented, so each torch release's
+own update runs, with its own fixes. The function chooses torch's implementation as torch.optim does:
+the param group's ``foreach`` (None: single-tensor on the CPU, ``_foreach`` ops over the slice views on
+CUDA, one call per param group and launch).
+
+What torch keeps per parameter beside the tensors is kept here, replicated on every rank:
+* ``step``: the engine's device counts (pipeline/step_counts.py), read in the coefficient table's
+  ``step`` column: a fresh float32 tensor per call, as torch.optim keeps it, which the function adds one
+  to and which is then dropped (the engine counts).
+* the 0-dim scalars (``scalars``), one tensor per parameter on the update's device. A rank whose slice
+  holds no element of a parameter must still advance them, so that any rank's checkpoint holds them:
+  the pieces' calls read copies, and ``finish`` advances the kept ones by the same function over
+  empty tensors, once per parameter and step, on every rank (the scalars' ops are then the only ones
+  with elements).
+
+The host reads the coefficient table (active flags, step counts) and the skip flag of each launch: free
+on the CPU, one wait for the device per launch on CUDA (docs/design.md, "Every torch optimizer").
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import muon
+from .algorithms import Algorithm
+from .torch_ops import _Moments
+
+COLUMNS = ("active", "grad_div", "step")
+"""The coefficient table's columns: the norm pass reads the first two (kernels.grad_sumsq), the update
+all three (``step``: the count once this step counts, written on the device by ``fill_steps``)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One torch.optim optimizer as the sharded step runs it.
+
+    ``lists``: the functional's per-parameter list arguments besides ``params`` and ``grads``, each the
+    name of a region-shaped state tensor, of a 0-dim scalar (``scalars``), or ``"step"``.
+    ``renames``: functional keyword -> how to read it from a param group (the others are the group's
+    own key of that name). ``initial``: state name -> how torch fills it when the parameter's state is
+    made, from the param group and the optimizer's ``defaults`` (Adagrad's accumulator starts at the
+    constructor's ``initial_accumulator_value``, whatever a group says); the others start at zero.
+    ``optional``: state names a param group has only under a condition (RMSprop's momentum buffer and
+    centered average). ``moments``: every state tensor is a running moment, which the compact formats
+    can hold (bf16); ``at_construction``: torch makes the state when the optimizer is built (Adagrad),
+    so a parameter that never stepped has it.
+    """
+
+    name: str
+    module: str
+    lists: dict[str, str]
+    scalars: tuple[str, ...] = ()
+    renames: dict = field(default_factory=dict)
+    initial: dict = field(default_factory=dict)
+    optional: dict = field(default_factory=dict)
+    moments: bool = True
+    at_construction: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.name.lower()
+
+    @property
+    def torch_class(self) -> type:
+        return getattr(torch.optim, self.name)
+
+    @property
+    def function(self):
+        return getattr(importlib.import_module(f"torch.optim.{self.module}"), self.module)
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        """The region-shaped state tensors, in torch's state-dict order."""
+        return tuple(v for v in self.lists.values() if v != "step" and v not in self.scalars)
+
+
+def _betas(i: int):
+    return lambda g: g["betas"][i]
+
+
+SPECS = {spec.name: spec for spec in (
+    Spec("Adagrad", "adagrad", {"state_sums": "sum", "state_steps": "step"},
+         initial={"sum": lambda g, d: d["initial_accumulator_value"]}, at_construction=True),
+    Spec("Adadelta", "adadelta", {"square_avgs": "square_avg", "acc_deltas": "acc_delta", "state_steps": "step"}),
+    Spec("Adamax", "adamax", {"exp_avgs": "exp_avg", "exp_infs": "exp_inf", "state_steps": "step"},
+         renames={"beta1": _betas(0), "beta2": _betas(1)}),
+    Spec("ASGD", "asgd", {"axs": "ax", "mus": "mu", "etas": "eta", "state_steps": "step"}, scalars=("eta", "mu"),
+         initial={"eta": lambda g, d: g["lr"], "mu": lambda g, d: 1.0}, moments=False),
+    Spec("NAdam", "nadam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "mu_products": "mu_product",
+                            "state_steps": "step"}, scalars=("mu_product",),
+         renames={"beta1": _betas(0), "beta2": _betas(1)}, initial={"mu_product": lambda g, d: 1.0}),
+    Spec("RAdam", "radam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "state_steps": "step"},
+         renames={"beta1": _betas(0), "beta2": _betas(1)}),
+    Spec("RMSprop", "rmsprop", {"square_avgs": "square_avg", "momentum_buffer_list": "momentum_buffer",
+                                "grad_avgs": "grad_avg", "state_steps": "step"},
+         optional={"momentum_buffer": lambda g: g["momentum"] > 0, "grad_avg": lambda g: bool(g["centered"])}),
+    Spec("Rprop", "rprop", {"prevs": "prev", "step_sizes": "step_size", "state_steps": "step"},
+         renames={"etaminus": lambda g: g["etas"][0], "etaplus": lambda g: g["etas"][1],
+                  "step_size_min": lambda g: g["step_sizes"][0], "step_size_max": lambda g: g["step_sizes"][1]},
+         initial={"step_size": lambda g, d: g["lr"]}, moments=False),
+)}
+"""Every torch.optim optimizer whose update is elementwise, by class name."""
+
+_FIXED = {"grad_scale": None, "found_inf": None, "has_complex": False, "has_sparse_grad": False,
+          "differentiable": False, "capturable": False}
+"""Functional arguments the sharded step always passes: the gradient arrives unscaled (GradScaler's
+unscale_ as torch applies it to an optimizer without a fused step), real, dense; the counts are
+fresh host tensors, which torch's capturable path does not take (its results are the same)."""
+
+
+def _lr(value) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else value
+
+
+class ElementwiseAlgorithm(Algorithm):
+    """One of ``SPECS`` over the engine's rows (module docstring)."""
+
+    def __init__(self, spec: Spec, param_groups: list[dict], defaults: dict):
+        self.spec, self.defaults = spec, defaults
+        self.kind = spec.kind
+        signature = inspect.signature(spec.function).parameters
+        self._keywords = [n for n in signature if n not in ("params", "grads") and n not in spec.lists]
+        self.scalars: dict[str, dict[int, torch.Tensor]] = {name: {} for name in spec.scalars}
+        super().__init__(param_groups)
+
+    # -- what the engine and the checkpoints ask ------------------------------------------------------
+
+    keeps_step = True
+
+    def check_group(self, group: dict, i: int) -> None:
+        """torch.optim.<Name> checks its arguments when it is built (optimizer/twins.py runs its own
+        constructor); a param group added later is taken as torch takes it."""
+
+    def refresh(self, param_groups: list[dict]) -> None:
+        super().refresh(param_groups)
+        self._names = [name for name in self.spec.state
+                       if name not in self.spec.optional or any(self.spec.optional[name](g) for g in param_groups)]
+
+    def state_names(self) -> list[str]:
+        return list(self._names)
+
+    def group_has(self, name: str, group: dict) -> bool:
+        """Whether torch.optim keeps state ``name`` for a parameter of ``group``."""
+        return name not in self.spec.optional or bool(self.spec.optional[name](group))
+
+    def has_state(self, count: float, group: dict) -> bool:
+        return count > 0 or self.spec.at_construction
+
+    def fresh(self, name: str, group: dict) -> float:
+        """The value of state ``name`` before the parameter's first step (Adagrad's accumulator)."""
+        init = self.spec.initial.get(name)
+        return float(_lr(init(group, self.defaults))) if init is not None else 0.0
+
+    def scalar(self, pid: int, name: str, group: dict, device) -> torch.Tensor:
+        """The kept 0-dim scalar ``name`` of engine parameter ``pid``, made as torch makes it at the
+        parameter's first step (float32 on the parameters' device)."""
+        kept = self.scalars[name]
+        if pid not in kept:
+            kept[pid] = torch.tensor(_lr(self.spec.initial[name](group, self.defaults)), dtype=torch.float32,
+                                     device=device)
+        return kept[pid]
+
+    def set_scalar(self, pid: int, name: str, value, device) -> None:
+        """A load: the value saved for engine parameter ``pid``."""
+        self.scalars[name][pid] = torch.as_tensor(value, dtype=torch.float32).detach().to(device).clone().reshape(())
+
+    def check_options(self, options: dict, where: str) -> None:
+        fmt = options.get("state_format", "fp32") or "fp32"
+        if fmt == "8bit" or (fmt != "fp32" and not self.spec.moments):
+            what = ("bf16" if self.spec.moments else "fp32") + (" or fp32" if self.spec.moments else "")
+            why = "its state is " + ("not moments (step sizes, an average of the weights)" if not self.spec.moments
+                                     else "kept in bf16 at the most (the 8-bit blocks hold Adam's and SGD's moments)")
+            raise ValueError(f"{where}: state_format={fmt!r} is not supported for {self.spec.name}: {why}; use "
+                             f"state_format={what}")
+        if options.get("stochastic_rounding"):
+            raise ValueError(f"{where}: stochastic_rounding is not supported for {self.spec.name}; keep fp32 master "
+                             "weights (master_weights=True) for low-precision parameters instead")
+
+    def check_engine(self, engine, member) -> None:
+        for fmt in member.group_formats:
+            self.check_options({"state_format": fmt}, member.name)
+        self.check_options({"stochastic_rounding": engine.options.stochastic_rounding}, member.name)
+
+    # -- the coefficient table --------------------------------------------------------------------------
+
+    def coefficients(self, groups, group_idx, active, grad_div) -> torch.Tensor:
+        n = len(group_idx)
+        cols = np.stack([(np.asarray(active) != 0).astype(np.float64) * np.ones(n),
+                         np.broadcast_to(np.asarray(grad_div, dtype=np.float64), (n,)), np.zeros(n)], axis=-1)
+        return torch.from_numpy(cols.astype(np.float32))
+
+    def _fill(self, table, inputs, after, scratch) -> None:
+        table[:, COLUMNS.index("step")] = after
+
+    def compile(self, backend, rows, segments, coefs, args) -> None:
+        """Nothing to compile: torch's own ops."""
+
+    # -- the update --------------------------------------------------------------------------------------
+
+    def update(self, backend, rows, segments, coefs, args) -> None:
+        """This launch's pieces: one call of torch's function per param group, over every active
+        parameter with a piece here."""
+        if args.found_inf is not None and float(args.found_inf) != 0.0:
+            return
+        table = coefs.tolist()
+        inv = muon.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
+        master = args.state.get("master")
+        calls: dict[int, _Call] = {}
+        for so, n, po, go, pid in _runs(rows):
+            c = table[pid]
+            if c[0] == 0.0:
+                continue
+            g = int(args.group_of[pid])
+            hp = args.hparams[g]
+            call = calls.setdefault(g, _Call(self, hp))
+            first = c[2] == 1.0
+            if master is not None:
+                p = master[so:so + n]
+            elif args.param.dtype == torch.float32:
+                p = args.param[po:po + n]
+            else:
+                p = args.param[po:po + n].float()
+            moments = _Moments(args, so, n, 0, 0)
+            states = {}
+            for name in self._names:
+                if not self.group_has(name, hp):
+                    continue
+                states[name] = moments.get(name)
+                if first:
+                    states[name].fill_(self.fresh(name, hp) if name in self.spec.initial else 0.0)
+            scalars = {name: self.scalar(pid, name, hp, p.device).clone() for name in self.spec.scalars}
+            grad = muon.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
+            call.add(p, grad, states, scalars, c[2] - 1, (moments, states, po, p))
+        for call in calls.values():
+            call.run(self.spec.function)
+            for moments, states, po, p in call.after:
+                for name, value in states.items():
+                    moments.put(name, value)
+                if master is not None or args.param.dtype != torch.float32:
+                    args.param[po:po + p.numel()].copy_(p)
+
+    def finish(self, pids, table: torch.Tensor, args) -> None:
+        """Advance the kept scalars of ``pids`` (the member's parameters of the buckets just updated,
+        every rank's same list) whose row is active, unless the step was skipped: torch's function over
+        empty tensors, so that each rank holds every parameter's values (module docstring)."""
+        if not self.spec.scalars:
+            return
+        if args.found_inf is not None and float(args.found_inf) != 0.0:
+            return
+        values = table.tolist()
+        device = table.device
+        calls: dict[int, _Call] = {}
+        for pid in pids:
+            c = values[pid]
+            if c[0] == 0.0:
+                continue
+            g = int(args.group_of[pid])
+            hp = args.hparams[g]
+            call = calls.setdefault(g, _Call(self, hp))
+            empty = torch.empty(0, dtype=torch.float32, device=device)
+            states = {name: torch.empty(0, dtype=torch.float32, device=device)
+                      for name in self._names if self.group_has(name, hp)}
+            scalars = {name: self.scalar(pid, name, hp, device) for name in self.spec.scalars}
+            call.add(empty, torch.empty(0, dtype=torch.float32, device=device), states, scalars, c[2] - 1, None)
+        for call in calls.values():
+            call.run(self.spec.function)
+
+
+class _Call:
+    """One call of torch's function over the pieces of one param group."""
+
+    def __init__(self, algo: ElementwiseAlgorithm, group: dict):
+        self.algo, self.group = algo, group
+        self.params, self.grads, self.steps = [], [], []
+        self.lists = {arg: [] for arg in algo.spec.lists}
+        self.after = []  # what to store back once the function ran: (moments, states, param offset, piece)
+
+    def add(self, p, grad, states: dict, scalars: dict, step_before: float, after) -> None:
+        self.params.append(p)
+        self.grads.append(grad)
+        for arg, name in self.algo.spec.lists.items():
+            if name == "step":
+                self.lists[arg].append(torch.tensor(step_before, dtype=torch.float32))
+            elif name in scalars:
+                self.lists[arg].append(scalars[name])
+            elif name in states:
+                self.lists[arg].append(states[name])
+        if after is not None:
+            self.after.append(after)
+
+    def run(self, function) -> None:
+        if not self.params:
+            return
+        spec, g = self.algo.spec, self.group
+        kwargs = {}
+        for name in self.algo._keywords:
+            if name in _FIXED:
+                kwargs[name] = _FIXED[name]
+            elif name in spec.renames:
+                kwargs[name] = spec.renames[name](g)
+            elif name in g:
+                kwargs[name] = g[name]
+        function(self.params, self.grads, **self.lists, **kwargs)
+
+
+def _runs(rows):
+    """``(so, n, po, go, pid)``: the rows, a parameter's adjacent pieces merged (its piece of the rank's
+    slice and of the replicated tail sit back to back in every buffer). Pieces of one parameter could
+    also go apart: each reads the step and a copy of the scalars as they were before the step."""
+    runs = []
+    for so, n, po, go, pid, *_ in rows:
+        if runs:
+            rso, rn, rpo, rgo, rpid = runs[-1]
+            if pid == rpid and so == rso + rn and po == rpo + rn and go == rgo + rn:
+                runs[-1] = (rso, rn + n, rpo, rgo, rpid)
+                continue
+        runs.append((so, n, po, go, pid))
+    return runs
+
+
+__all__ = ["COLUMNS", "SPECS", "ElementwiseAlgorithm", "Spec"]
