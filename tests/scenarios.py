@@ -345,6 +345,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                 opt.synchronize()
                 worst = max(worst, _compare(model, ref_model, case, step, rank, world))
                 _check_ranks_agree(model, step)
+        if case.opt in fused_zero.optimizer.TWINS:  # their state too (AdamW's and SGD's: tests/checkpoint)
+            _compare_state(opt, ref_opt, rank, _exact(case, world) and case.dtype == torch.float32)
     except AssertionError as e:
         if case.breaks is None:
             raise
@@ -512,6 +514,30 @@ def _compare_low(a: torch.Tensor, b: torch.Tensor, msg: str, dtype: torch.dtype 
     differing = int((diff != 0).sum())
     assert differing <= max(BF16_SHARE * a.numel(), 2), \
         f"{msg}: {differing} of {a.numel()} elements differ from torch.optim (at most {BF16_SHARE:.0%}, or 2)"
+
+
+def _compare_state(opt, ref_opt, rank: int, exact: bool) -> None:
+    """Every entry of torch.optim's state dict in ours (``step``, the tensors, the 0-dim scalars),
+    gathered from every rank: bit for bit where the parameters are (``exact``), else within 1e-3
+    relative (a skipped or doubled step is off by its whole size): with clipping the coefficient's last
+    bit differs (``_exact``), and a centered RMSprop's ``square_avg - grad_avg ** 2`` cancels, which
+    leaves a few elements of its momentum 1e-4 apart while the parameters, lr times that, stay within
+    2e-5. An entry torch has and we do not only for a parameter without a gradient (Adagrad's state,
+    made at construction, of the frozen layer); ours may add ``fp32_master``."""
+    ours, ref = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    params = [p for g in opt.param_groups for p in g["params"]]  # the model's (torch's may be fp32 masters)
+    for i, entry in ref.items():
+        if i not in ours:
+            assert not params[i].requires_grad, f"rank {rank}: no state for parameter {i}"
+            continue
+        for name, value in entry.items():
+            assert name in ours[i], f"rank {rank} parameter {i}: no {name!r} in fused_zero's state"
+            mine, where = ours[i][name].to(value.dtype), f"rank {rank} parameter {i} {name!r}"
+            if exact:
+                assert torch.equal(mine, value), f"{where}: differs by {_largest(mine.float(), value.float()):.3e}"
+            else:
+                torch.testing.assert_close(mine, value, rtol=1e-3, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+    assert set(ours) <= set(ref), f"rank {rank}: state for parameters torch.optim has none for"
 
 
 def _check_ranks_agree(model, step):

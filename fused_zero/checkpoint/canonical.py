@@ -200,8 +200,12 @@ class StateDictBuilder:
     def result(self) -> dict:
         for flat, value in self._fresh:
             flat.fill_(value)
-        # torch.optim's order: parameters by index, step first, then the state tensors
-        state = {k: dict(sorted(v.items(), key=lambda kv: kv[0] != "step")) for k, v in sorted(self.state.items())}
+        # torch.optim's order: parameters by index, step first, then the state tensors (the algorithm's
+        # order where it keeps 0-dim scalars too), fp32_master last
+        order = getattr(getattr(self.engine.algo, "spec", None), "order", ("step",))
+        rank = {key: i for i, key in enumerate(order)}
+        state = {k: dict(sorted(v.items(), key=lambda kv: rank.get(kv[0], len(rank) + (kv[0] == MASTER_KEY))))
+                 for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
         formats = self.engine.group_formats
         if any(f != "fp32" for f in formats):  # torch.optim ignores the key; the moments are decoded

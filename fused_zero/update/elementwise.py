@@ -68,6 +68,7 @@ class Spec:
     optional: dict = field(default_factory=dict)
     moments: bool = True
     at_construction: bool = False
+    scalars_first: bool = False  # torch makes the scalars before the tensors (its state dict's order)
 
     @property
     def kind(self) -> str:
@@ -86,6 +87,11 @@ class Spec:
         """The region-shaped state tensors, in torch's state-dict order."""
         return tuple(v for v in self.lists.values() if v != "step" and v not in self.scalars)
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The keys of a parameter's entry in torch's state dict, in torch's order."""
+        return ("step",) + (self.scalars + self.state if self.scalars_first else self.state + self.scalars)
+
 
 def _betas(i: int):
     return lambda g: g["betas"][i]
@@ -98,10 +104,11 @@ SPECS = {spec.name: spec for spec in (
     Spec("Adamax", "adamax", {"exp_avgs": "exp_avg", "exp_infs": "exp_inf", "state_steps": "step"},
          renames={"beta1": _betas(0), "beta2": _betas(1)}),
     Spec("ASGD", "asgd", {"axs": "ax", "mus": "mu", "etas": "eta", "state_steps": "step"}, scalars=("eta", "mu"),
-         initial={"eta": lambda g, d: g["lr"], "mu": lambda g, d: 1.0}, moments=False),
+         initial={"eta": lambda g, d: g["lr"], "mu": lambda g, d: 1.0}, moments=False, scalars_first=True),
     Spec("NAdam", "nadam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "mu_products": "mu_product",
                             "state_steps": "step"}, scalars=("mu_product",),
-         renames={"beta1": _betas(0), "beta2": _betas(1)}, initial={"mu_product": lambda g, d: 1.0}),
+         renames={"beta1": _betas(0), "beta2": _betas(1)}, initial={"mu_product": lambda g, d: 1.0},
+         scalars_first=True),
     Spec("RAdam", "radam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "state_steps": "step"},
          renames={"beta1": _betas(0), "beta2": _betas(1)}),
     Spec("RMSprop", "rmsprop", {"square_avgs": "square_avg", "momentum_buffer_list": "momentum_buffer",
@@ -238,9 +245,9 @@ class ElementwiseAlgorithm(Algorithm):
             for name in self._names:
                 if not self.group_has(name, hp):
                     continue
+                if first:  # made now, as torch makes it, in its storage format (Adagrad's start in bf16)
+                    moments.put(name, moments.get(name).fill_(self.fresh(name, hp)))
                 states[name] = moments.get(name)
-                if first:
-                    states[name].fill_(self.fresh(name, hp) if name in self.spec.initial else 0.0)
             scalars = {name: self.scalar(pid, name, hp, p.device).clone() for name in self.spec.scalars}
             grad = muon.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
             call.add(p, grad, states, scalars, c[2] - 1, (moments, states, po, p))

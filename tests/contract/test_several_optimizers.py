@@ -155,7 +155,8 @@ def _cases_scaler(rank, world, kinds, names):
     return out
 
 
-@pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("Adam", "AdamW")), (2, ("Muon", "AdamW"))])
+@pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("Adam", "AdamW")), (2, ("Muon", "AdamW")),
+                                         (2, ("Muon", "RMSprop")), (2, ("NAdam", "Adagrad"))])
 def test_one_grad_scaler_two_optimizers_each_skips_its_own_overflow(world, kinds):
     """Each recipe in every mode with a scaler; an overflow in the first optimizer's gradients at step 3
     on one rank: it skips (on every rank), the second steps, the scale halves, as torch's docs say."""
@@ -182,7 +183,8 @@ def _zero_between(rank, world, mode, kinds, as_view):
     return "ok"
 
 
-@pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("SGD", "Adam")), (2, ("Muon", "AdamW"))])
+@pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("SGD", "Adam")), (2, ("Muon", "AdamW")),
+                                         (2, ("ASGD", "Rprop"))])
 def test_zeroing_one_optimizers_gradients_before_the_others_step(world, kinds):
     """``opt0.step(); opt0.zero_grad(set_to_none=False); opt1.step()``: each steps on its own gradients,
     in every mode, whether the gradients view DDP's buckets (then they share a version counter) or not."""

@@ -27,17 +27,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from scenarios import VOCAB, OddNet, batch
+from scenarios import DEFAULT_HPARAMS, VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 from fused_zero.kernels import row_table, sr_key
+from fused_zero.optimizer import TWINS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from kernel_reference import decode8, encode8, round_stochastic
 
 SIGNED = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
-HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01)}
+HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01),
+           **{name: DEFAULT_HPARAMS[name] for name in TWINS}}  # torch.optim's elementwise twins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +130,8 @@ def through_format(ref_opt, work, case: FormatCase, layout_blocks) -> None:
     for pid, (p, fmt) in enumerate(zip(work, formats_of(case, len(work)))):
         state = ref_opt.state.get(p, {})
         for name, t in state.items():
-            if name == "step" or not isinstance(t, torch.Tensor):
-                continue
+            if name == "step" or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue  # the count, and the 0-dim scalars (NAdam's mu_product), kept in fp32
             flat = t.view(-1)
             if fmt == "bf16":
                 flat.copy_(flat.to(torch.bfloat16).float())
