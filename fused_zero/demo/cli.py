@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="update implementation (auto: Triton on CUDA, torch's ops on CPU)")
     demo.add_argument("--profile", metavar="DIR", default=None,
                       help="write a torch.profiler trace of rank 0 (steps 4-6) to DIR; its path is printed")
-    sub.add_parser("options", help="print the optimizers' keyword-only options as a markdown table")
+    sub.add_parser("options", help="print fused_zero's optimizers and their keyword-only options as markdown tables")
     return parser
 
 
@@ -55,8 +55,11 @@ def _optimizer_name(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "options":
+        from ..optimizer.twins import optimizer_table
         from ..options import option_table
 
+        print(optimizer_table())
+        print()
         print(option_table())
         return 0
     from .run import DemoConfig, run

@@ -30,6 +30,12 @@ NO_TWIN = {
 }
 """torch.optim's optimizers without a fused_zero twin, and why (``fused_zero.LBFGS`` raises it)."""
 
+NOT_YET = {
+    "Adafactor": "its row and column statistics need each matrix's rows and columns whole, across the ranks' "
+                 "slices; that path is not built yet. Run torch.optim.Adafactor under plain DDP",
+}
+"""torch.optim's optimizers a sharded step could serve but fused_zero does not yet, and what to do."""
+
 
 def _torch_defaults(cls: type, name: str, args: tuple, kwargs: dict) -> dict:
     """torch.optim.<name>'s ``defaults`` for these arguments, its own checks run on them."""
@@ -76,4 +82,33 @@ Rprop = _twin("Rprop")
 
 TWINS = ("Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
 
-__all__ = ["ASGD", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop"]
+_OWN = (("AdamW", "exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)", "bf16, 8bit",
+         "the fused Triton kernel (the CPU: torch's ops)"),
+        ("Adam", "exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)", "bf16, 8bit",
+         "the fused Triton kernel (the CPU: torch's ops)"),
+        ("SGD", "momentum_buffer (with momentum)", "bf16, 8bit", "the fused Triton kernel (the CPU: torch's ops)"),
+        ("Muon", "momentum_buffer", "-", "Newton-Schulz once per matrix, on its owner rank"))
+
+
+def optimizer_table() -> str:
+    """A markdown table of fused_zero's optimizers (``fused-zero options`` prints it above the options')."""
+    rows = ["| fused_zero | torch.optim twin | state per parameter, 1/W per rank | compact `state_format` "
+            "| update |",
+            "|---|---|---|---|---|"]
+    for name, state, compact, how in _OWN:
+        rows.append(f"| `{name}` | `torch.optim.{name}` | {state} | {compact} | {how} |")
+    for name in TWINS:
+        spec = SPECS[name]
+        state = ", ".join(n for n in spec.state if n not in spec.optional) + (
+            f" (+ {', '.join(spec.optional)} where the group's momentum / centered ask)" if spec.optional else "")
+        scalars = f"; step, {', '.join(spec.scalars)} on every rank" if spec.scalars else "; step"
+        rows.append(f"| `{name}` | `torch.optim.{name}` | {state}{scalars} | {'bf16' if spec.moments else '-'} | "
+                    "torch's own update function over the rank's slices |")
+    for name, why in NO_TWIN.items():
+        rows.append(f"| none | `torch.optim.{name}` | - | - | {why.split(';')[0]} |")
+    for name, why in NOT_YET.items():
+        rows.append(f"| not yet | `torch.optim.{name}` | - | - | {why.split('. ')[0]} |")
+    return "\n".join(rows)
+
+__all__ = ["ASGD", "NOT_YET", "NO_TWIN", "TWINS", "optimizer_table", "Adadelta", "Adagrad", "Adamax", "NAdam",
+           "RAdam", "RMSprop", "Rprop"]
