@@ -23,6 +23,7 @@
 #                                overlap mode against DDP + fused AdamW;
 #   bench-graph                  step() eager against step() replayed from a CUDA graph (capturable=True):
 #                                host time per step and iteration time, demo GPT and 500 small parameters;
+#   bench-optimizers             each torch.optim twin's step against torch's foreach one (an estimate: 30 s);
 #   demo                         the demo on one NCCL rank, with a torch.profiler trace (no nsys needed).
 # The CPU suite is CI's job and is not rerun here.
 #
@@ -77,12 +78,13 @@ declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
     [gpu-kernels]=40 [gpu-engine]=45 [gpu-muon]=32 [gpu-several]=30 [gpu-graph]=28 [gpu-formats]=30
     [gpu-host-sync]=35 [gpu-ranks]=65 [gpu-state-dict]=30
-    [gpu-torch-sanitizer]=35 [memcheck]=40 [bench-kernels]=90 [bench-step]=60 [bench-graph]=60 [demo]=30
+    [gpu-torch-sanitizer]=35 [memcheck]=40 [bench-kernels]=90 [bench-step]=60 [bench-graph]=60 [bench-optimizers]=30 [demo]=30
 )
 case "$SET" in
     tests) ORDER=(nvidia-smi versions gpu-kernels gpu-engine gpu-muon gpu-several gpu-graph gpu-formats
                   gpu-host-sync gpu-ranks gpu-state-dict) ;;
-    bench) ORDER=(nvidia-smi versions gpu-torch-sanitizer memcheck bench-kernels bench-step bench-graph demo) ;;
+    bench) ORDER=(nvidia-smi versions gpu-torch-sanitizer memcheck bench-kernels bench-step bench-graph
+                  bench-optimizers demo) ;;
     *) echo "gpu_check: unknown set '$SET' (tests or bench)" >&2; exit 2 ;;
 esac
 
@@ -161,6 +163,7 @@ step bench-kernels "${PYTEST[@]}" bench/test_bench_kernels.py -k "1M or 16M or 6
 step bench-step "${PYTEST[@]}" bench/test_bench_step.py -k "test_step and iteration" \
     --benchmark-max-time=0.5 --benchmark-json "$WORK/bench-step.json"
 step bench-graph "${PYTEST[@]}" bench/test_bench_graph.py --benchmark-json "$WORK/bench-graph.json"
+step bench-optimizers "${PYTEST[@]}" bench/test_bench_optimizers.py --benchmark-json "$WORK/bench-optimizers.json"
 step demo python3 -m fused_zero.demo.cli demo --world-size 1 --steps 10 --profile "$WORK/trace"
 
 echo "== total $(($(date +%s) - START))s of ${TOTAL_BUDGET}s"

@@ -56,7 +56,7 @@ SETS = {
     "tests": ["nvidia-smi", "versions", "gpu-kernels", "gpu-engine", "gpu-muon", "gpu-several", "gpu-graph",
               "gpu-formats", "gpu-host-sync", "gpu-ranks", "gpu-state-dict"],
     "bench": ["nvidia-smi", "versions", "gpu-torch-sanitizer", "memcheck", "bench-kernels", "bench-step",
-              "bench-graph", "demo"],
+              "bench-graph", "bench-optimizers", "demo"],
 }
 
 
