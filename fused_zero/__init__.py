@@ -9,16 +9,30 @@ from . import versions as _versions
 
 _versions.check_installed()  # torch and Triton inside the tested range, or an error / a warning naming it
 
-from .optimizer import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Muon, NAdam, RAdam, RMSprop, Rprop  # noqa: E402
-from .optimizer.twins import NO_TWIN, NOT_YET  # noqa: E402
+from .optimizer import (  # noqa: E402
+    ASGD,
+    SGD,
+    Adadelta,
+    Adafactor,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    Muon,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
+from .optimizer.twins import NO_TWIN  # noqa: E402
 
-__all__ = ["ASGD", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop",
-           "SGD", "__version__"]
+__all__ = ["ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "Muon", "NAdam", "RAdam",
+           "RMSprop", "Rprop", "SGD", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in NO_TWIN or name in NOT_YET:  # torch.optim's optimizers without a twin, and why
-        raise AttributeError(f"fused_zero has no {name}: {NO_TWIN.get(name) or NOT_YET[name]}")
+    if name in NO_TWIN:  # torch.optim's optimizers without a twin, and why
+        raise AttributeError(f"fused_zero has no {name}: {NO_TWIN[name]}")
     raise AttributeError(f"module 'fused_zero' has no attribute {name!r}")
 
 

@@ -66,16 +66,16 @@ def state_names_of(engine, shard, i: int) -> list[str]:
     return [n for n in names if n == "master" or group_has(n, group)]
 
 
-def scalar_entries(engine, i: int) -> dict:
-    """Parameter ``i``'s 0-dim state beside the tensors (NAdam's ``mu_product``, ASGD's ``eta`` and
-    ``mu``), kept on every rank (update/elementwise.py), on the CPU."""
+def kept_entries(engine, i: int) -> dict:
+    """Parameter ``i``'s state kept on every rank beside the regions (NAdam's ``mu_product``, ASGD's
+    ``eta`` and ``mu``: update/elementwise.py; Adafactor's factored statistics: update/adafactor.py),
+    on the CPU."""
     algo = engine.algo
-    names = getattr(getattr(algo, "spec", None), "scalars", ())
-    if not names:
+    if not getattr(algo, "kept_names", ()):
         return {}
     group = engine.opt.param_groups[engine.group_of[i]]
-    return {name: algo.scalar(int(engine.pids[i]), name, group, engine.device).detach().cpu().clone()
-            for name in names}
+    return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(engine.pids[i]), group,
+                                                                            engine.device).items()}
 
 
 def param_index(opt) -> dict[int, int]:
@@ -169,7 +169,7 @@ class StateDictBuilder:
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
             if fresh and name != "master":
                 self._fresh.append((flats[name], e.algo.fresh(name, e.opt.param_groups[e.group_of[i]])))
-        entry.update(scalar_entries(e, i))
+        entry.update(kept_entries(e, i))
         return flats
 
     def add(self, shard, name: str, lo: int, values: torch.Tensor) -> None:
@@ -247,5 +247,5 @@ def local_entry(engine, i: int) -> dict:
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()
         entry[MASTER_KEY if name == "master" else name] = value
-    entry.update(scalar_entries(engine, i))
+    entry.update(kept_entries(engine, i))
     return entry

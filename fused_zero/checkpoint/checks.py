@@ -31,8 +31,10 @@ def _add_elementwise() -> None:
     """torch.optim's elementwise optimizers (update/elementwise.py): named as torch names them; a state
     name another of them keeps and this one does not is foreign; the group keys are the torch class's
     hyperparameters (its defaults less the implementation flags)."""
+    from ..update.adafactor import SPEC as ADAFACTOR
     from ..update.elementwise import SPECS
 
+    SPECS = {**SPECS, ADAFACTOR.name: ADAFACTOR}
     flags = {"foreach", "maximize", "capturable", "differentiable", "fused"}
     known = {n for spec in SPECS.values() for n in (*spec.state, *spec.scalars)} | \
         {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}
@@ -116,11 +118,12 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
     for name in required:
         if entry.get(name) is None:
             raise StateDictError(f"{where} lacks {name!r}, which {_KIND_NAMES[kind]} needs")
-    scalars = getattr(getattr(engine.algo, "spec", None), "scalars", ())
+    kept = getattr(engine.algo, "kept_names", ())
     for name, value in entry.items():
-        if name in scalars:
-            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
-                raise StateDictError(f"{where}: state {name!r} should be one finite number, got {value!r}")
+        if name in kept:  # state kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
+            error = engine.algo.check_kept(name, value, engine.params[pid].shape)
+            if error is not None:
+                raise StateDictError(f"{where}: {error}")
             continue
         if name == "step":
             step = float(value.item() if isinstance(value, torch.Tensor) else value)

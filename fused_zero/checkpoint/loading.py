@@ -159,7 +159,7 @@ def _check(target: Target, sd):
             saved_index[id(p)] = i
     algo = target.algo
     required = algo.state_names() + (["step"] if kind == "adam" or getattr(algo, "keeps_step", False) else [])
-    scalars = list(getattr(getattr(algo, "spec", None), "scalars", ()))
+    kept = list(getattr(algo, "kept_names", ()))
     group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
     entries = {}
     for pid, p in enumerate(target.params):
@@ -168,7 +168,7 @@ def _check(target: Target, sd):
         where = f"parameter {key} (shape {tuple(p.shape)})"
         group = groups[group_of[id(p)]]
         needs = [n for n in required if not hasattr(algo, "group_has") or n == "step" or algo.group_has(n, group)]
-        checks.check_entry(target, pid, where, entry, p.shape, needs + scalars)
+        checks.check_entry(target, pid, where, entry, p.shape, needs + [n for n in kept if algo.kept_needed(n, p)])
         master = entry.get(MASTER_KEY)
         if master is not None and target.masters[pid]:
             if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
@@ -212,19 +212,15 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     steps = engine.steps
     for i, saved in entries.items():
         steps[i] = saved_step(engine, saved)
-        load_scalars(engine, i, saved)
+        load_kept(engine, i, saved)
     engine.steps = steps
 
 
-def load_scalars(engine, i: int, saved: dict) -> None:
-    """Parameter ``i``'s 0-dim state (update/elementwise.py), kept on every rank, from its saved entry;
-    a parameter the dict has no state for makes them afresh at its first step."""
-    algo = engine.algo
-    for name in getattr(getattr(algo, "spec", None), "scalars", ()):
-        if saved.get(name) is not None:
-            algo.set_scalar(int(engine.pids[i]), name, saved[name], engine.device)
-        else:
-            algo.scalars[name].pop(int(engine.pids[i]), None)
+def load_kept(engine, i: int, saved: dict) -> None:
+    """Parameter ``i``'s state kept on every rank beside the regions (canonical.kept_entries), from its
+    saved entry; a parameter the dict has no state for makes it afresh at its first step."""
+    if getattr(engine.algo, "kept_names", ()):
+        engine.algo.load_kept(int(engine.pids[i]), saved, engine.device)
 
 
 def saved_step(engine, saved: dict) -> float:

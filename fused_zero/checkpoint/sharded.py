@@ -121,7 +121,7 @@ def sharded_state_dict(engine) -> dict:
             entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device, dtype)
             if dtype in STORED:
                 stored.setdefault(index[id(p)], {})[key] = STORED[dtype]
-        entry.update(canonical.scalar_entries(engine, i))  # replicated: the same on every rank
+        entry.update(canonical.kept_entries(engine, i))  # replicated: the same on every rank
         state[index[id(p)]] = entry
     if mesh is not None and "8bit" in engine.state_formats and not engine.holding:  # alike on every rank
         blocks = _gather_blocks(engine, index, group)
@@ -255,7 +255,7 @@ def _check(engine, sd):
                 if not torch.equal(flat.to(p.dtype), params):
                     raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
                                          "the model's weights before the optimizer's state")
-        for name in getattr(getattr(engine.algo, "spec", None), "scalars", ()):
+        for name in getattr(engine.algo, "kept_names", ()):
             if name in entry:
                 local[name] = entry[name]
         required = [_state_key(n) for n in engine.names(shard)] + ["step"]
@@ -312,7 +312,7 @@ def _apply(engine, groups, values) -> None:
                     regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo
             steps[pid] = float(saved["step"])
-            loading.load_scalars(engine, pid, saved)
+            loading.load_kept(engine, pid, saved)
         layout = shard.layout
         if layout.tail and layout.world_size > 1 and names:
             tail = torch.stack([regions[n][slice(*layout.region_tail(me))] for n in names])

@@ -13,9 +13,9 @@ from __future__ import annotations
 from ..update.algorithms import AdamFamily, SGDAlgorithm
 from ..update.muon import MuonAlgorithm
 from .base import _ShardedOptimizer
-from .twins import ASGD, NO_TWIN, NOT_YET, TWINS, Adadelta, Adagrad, Adamax, NAdam, RAdam, RMSprop, Rprop
+from .twins import ASGD, NO_TWIN, TWINS, Adadelta, Adafactor, Adagrad, Adamax, NAdam, RAdam, RMSprop, Rprop
 
-__all__ = ["ASGD", "NOT_YET", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Muon",
+__all__ = ["ASGD", "Adafactor", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Muon",
            "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "_ShardedOptimizer"]
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable

@@ -18,6 +18,8 @@ import inspect
 
 import torch
 
+from ..update.adafactor import SPEC as ADAFACTOR
+from ..update.adafactor import AdafactorAlgorithm
 from ..update.elementwise import SPECS, ElementwiseAlgorithm
 from .base import _ShardedOptimizer
 
@@ -30,11 +32,6 @@ NO_TWIN = {
 }
 """torch.optim's optimizers without a fused_zero twin, and why (``fused_zero.LBFGS`` raises it)."""
 
-NOT_YET = {
-    "Adafactor": "its row and column statistics need each matrix's rows and columns whole, across the ranks' "
-                 "slices; that path is not built yet. Run torch.optim.Adafactor under plain DDP",
-}
-"""torch.optim's optimizers a sharded step could serve but fused_zero does not yet, and what to do."""
 
 
 def _torch_defaults(cls: type, name: str, args: tuple, kwargs: dict) -> dict:
@@ -47,12 +44,13 @@ class _Twin(_ShardedOptimizer):
     _spec_name: str
 
     def __init__(self, params, *args, ddp=None, **kwargs):
-        spec = SPECS[self._spec_name]
+        spec = ADAFACTOR if self._spec_name == "Adafactor" else SPECS[self._spec_name]
         accepted = inspect.signature(spec.torch_class.__init__).parameters
         torch_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in accepted and k not in ("self", "params")}
         defaults = _torch_defaults(spec.torch_class, spec.name, args, torch_kwargs)
         super().__init__(params, defaults)
-        algorithm = ElementwiseAlgorithm(spec, self.param_groups, self.defaults)
+        algorithm = AdafactorAlgorithm(self.param_groups, self.defaults) if spec is ADAFACTOR else \
+            ElementwiseAlgorithm(spec, self.param_groups, self.defaults)
         algorithm.check_options(kwargs, spec.name)
         for i, group in enumerate(self.param_groups):
             if "state_format" in group:
@@ -61,7 +59,7 @@ class _Twin(_ShardedOptimizer):
 
 
 def _twin(name: str) -> type:
-    spec = SPECS[name]
+    spec = ADAFACTOR if name == "Adafactor" else SPECS[name]
     signature = inspect.signature(spec.torch_class.__init__)
     doc = (f"torch.optim.{name}, sharded across DDP ranks: its arguments, defaults and checks (the installed "
            f"torch's), its update (torch's own, over this rank's slices of the buckets) and its state dict; "
@@ -79,6 +77,7 @@ NAdam = _twin("NAdam")
 RAdam = _twin("RAdam")
 RMSprop = _twin("RMSprop")
 Rprop = _twin("Rprop")
+Adafactor = _twin("Adafactor")
 
 TWINS = ("Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
 
@@ -106,9 +105,9 @@ def optimizer_table() -> str:
                     "torch's own update function over the rank's slices |")
     for name, why in NO_TWIN.items():
         rows.append(f"| none | `torch.optim.{name}` | - | - | {why.split(';')[0]} |")
-    for name, why in NOT_YET.items():
-        rows.append(f"| not yet | `torch.optim.{name}` | - | - | {why.split('. ')[0]} |")
+    rows.append("| `Adafactor` | `torch.optim.Adafactor` | row_var, col_var of a matrix, variance of a vector; step: "
+                "on every rank | - | torch's own update on each parameter whole, on every rank |")
     return "\n".join(rows)
 
-__all__ = ["ASGD", "NOT_YET", "NO_TWIN", "TWINS", "optimizer_table", "Adadelta", "Adagrad", "Adamax", "NAdam",
+__all__ = ["ASGD", "Adafactor", "NO_TWIN", "TWINS", "optimizer_table", "Adadelta", "Adagrad", "Adamax", "NAdam",
            "RAdam", "RMSprop", "Rprop"]

@@ -23,6 +23,7 @@ from .shard import BucketShard
 from .tables import CoefficientTables
 from .topology import post_update_groups
 from .whole_matrix import WholeMatrix
+from .whole_params import WholeParams
 
 
 class Updates:
@@ -37,12 +38,15 @@ class Updates:
         self.gather_group, self.check_group = post_update_groups(topo) \
             if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
         self._pids_kept: dict[int, tuple] = {}  # member -> (shards, their pids on the device)
-        self._whole_matrix: dict[int, WholeMatrix] = {}  # phased members' steps (whole_matrix.py)
+        self._whole_matrix: dict[int, WholeMatrix | WholeParams] = {}  # phased members' steps
         self.tables = CoefficientTables(engine)
 
-    def _whole(self, member) -> WholeMatrix:
+    def _whole(self, member) -> WholeMatrix | WholeParams:
+        """The phased member's runner: Muon's matrices on their owners, or Adafactor's whole parameters on
+        every rank (``algo.phased`` says which)."""
         if member.index not in self._whole_matrix:
-            self._whole_matrix[member.index] = WholeMatrix(self.engine, member, self.gather_group)
+            runner = WholeParams if member.algo.phased == "whole_params" else WholeMatrix
+            self._whole_matrix[member.index] = runner(self.engine, member, self.gather_group)
         return self._whole_matrix[member.index]
 
     @property

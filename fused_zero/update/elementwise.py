@@ -69,6 +69,7 @@ class Spec:
     moments: bool = True
     at_construction: bool = False
     scalars_first: bool = False  # torch makes the scalars before the tensors (its state dict's order)
+    function_name: str = ""  # the functional's name in its module, where it is not the module's
 
     @property
     def kind(self) -> str:
@@ -80,7 +81,7 @@ class Spec:
 
     @property
     def function(self):
-        return getattr(importlib.import_module(f"torch.optim.{self.module}"), self.module)
+        return getattr(importlib.import_module(f"torch.optim.{self.module}"), self.function_name or self.module)
 
     @property
     def state(self) -> tuple[str, ...]:
@@ -180,9 +181,33 @@ class ElementwiseAlgorithm(Algorithm):
                                      device=device)
         return kept[pid]
 
-    def set_scalar(self, pid: int, name: str, value, device) -> None:
-        """A load: the value saved for engine parameter ``pid``."""
-        self.scalars[name][pid] = torch.as_tensor(value, dtype=torch.float32).detach().to(device).clone().reshape(())
+    @property
+    def kept_names(self) -> tuple[str, ...]:
+        """The per-parameter state kept on every rank, beside the regions (checkpoint/ reads it)."""
+        return self.spec.scalars
+
+    def kept_entries(self, pid: int, group: dict, device) -> dict[str, torch.Tensor]:
+        """Engine parameter ``pid``'s kept state, as torch.optim's state dict holds it."""
+        return {name: self.scalar(pid, name, group, device) for name in self.spec.scalars}
+
+    def kept_needed(self, name: str, param) -> bool:
+        """Whether a stepped parameter's saved entry must hold kept state ``name``."""
+        return True
+
+    def check_kept(self, name: str, value, shape) -> str | None:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
+            return f"state {name!r} should be one finite number, got {value!r}"
+        return None
+
+    def load_kept(self, pid: int, saved: dict, device) -> None:
+        """A load: the values saved for engine parameter ``pid`` (none saved: made afresh at its first step)."""
+        for name in self.spec.scalars:
+            value = saved.get(name)
+            if value is None:
+                self.scalars[name].pop(pid, None)
+            else:
+                self.scalars[name][pid] = torch.as_tensor(value, dtype=torch.float32).detach().to(device).clone() \
+                    .reshape(())
 
     def check_options(self, options: dict, where: str) -> None:
         fmt = options.get("state_format", "fp32") or "fp32"

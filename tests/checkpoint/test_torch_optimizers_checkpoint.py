@@ -13,12 +13,14 @@ from scenarios import Case, build
 
 from fused_zero.optimizer import TWINS
 
+ALL = (*TWINS, "Adafactor")
+
 TINY, TWO, ONE = 0.0001, 0.0015, 25.0
 
 
 def _save_at_two(rank, world, path):
     """Each twin trained 4 steps: ours saved whole on rank 0 and through DCP, torch.optim's saved too."""
-    for name in TWINS:
+    for name in ALL:
         case = Case(opt=name, bucket_cap_mb=TINY, groups=2)
         built = build(case, rank)
         model, ddp, opt, ref_model, ref_ddp, ref_opt, _ = built
@@ -36,7 +38,7 @@ def _save_at_two(rank, world, path):
 def _load_elsewhere(rank, world, path, bucket_cap_mb):
     """At another world size and bucket size, for each twin: torch.optim loads fused_zero's dict and
     fused_zero torch.optim's, then both continue, compared step by step; then fused_zero from DCP."""
-    for name in TWINS:
+    for name in ALL:
         saved = torch.load(os.path.join(path, f"{name}.pt"))
         swapped = {"model": saved["model"], "ours": saved["torch"], "torch": saved["ours"]}
         load_and_continue(Case(opt=name, bucket_cap_mb=bucket_cap_mb, groups=2), rank, swapped,
@@ -47,7 +49,7 @@ def _load_elsewhere(rank, world, path, bucket_cap_mb):
 def test_checkpoints_both_ways_at_other_world_sizes(tmp_path):
     path = str(tmp_path)
     assert run_ranks(_save_at_two, 2, path) == ["ok"] * 2
-    for name in TWINS:  # the two dicts are one: torch.optim's entries, bit for bit, in torch's order
+    for name in ALL:  # the two dicts are one: torch.optim's entries, bit for bit, in torch's order
         saved = torch.load(os.path.join(path, f"{name}.pt"))
         frozen = set(saved["torch"]["state"]) - set(saved["ours"]["state"])  # Adagrad's, of the frozen layer
         assert len(frozen) == (2 if name == "Adagrad" else 0), (name, frozen)

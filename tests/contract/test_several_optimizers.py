@@ -156,7 +156,8 @@ def _cases_scaler(rank, world, kinds, names):
 
 
 @pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("Adam", "AdamW")), (2, ("Muon", "AdamW")),
-                                         (2, ("Muon", "RMSprop")), (2, ("NAdam", "Adagrad"))])
+                                         (2, ("Muon", "RMSprop")), (2, ("NAdam", "Adagrad")),
+                                         (2, ("Adafactor", "AdamW"))])
 def test_one_grad_scaler_two_optimizers_each_skips_its_own_overflow(world, kinds):
     """Each recipe in every mode with a scaler; an overflow in the first optimizer's gradients at step 3
     on one rank: it skips (on every rank), the second steps, the scale halves, as torch's docs say."""

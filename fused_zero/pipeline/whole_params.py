@@ -1,0 +1,114 @@
+"""Updates that need each parameter whole on every rank (Adafactor's rows, columns and norms:
+update/adafactor.py), over gradients and masters sharded by element slices.
+
+For each bucket holding parameters of the member, in bucket order, on every rank of the shard group:
+
+1. the reduced gradient, whole: the bucket's buffer as it is with ``grad_reduce="all_reduce"`` (every
+   rank holds the reduced bucket), else one all-gather of the ranks' reduced slices (the tail is reduced
+   on every rank already);
+2. the fp32 weights, whole: the parameters themselves when they are fp32, else one all-gather of the
+   ranks' fp32 master slices (the tail is every rank's);
+3. torch's update over the member's parameters of the bucket, one call per param group, on every rank
+   alike (the same inputs, the same ops, the same results);
+4. each rank writes its pieces of the masters and the parameters; the usual all-gather follows.
+
+Collectives are issued by every rank in the same order whatever its flags; a skipped step or a
+parameter without a gradient is then not updated, on every rank (the host reads the flags: a wait for
+the device on CUDA, as in update/elementwise.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..update import muon
+from . import collectives
+from .profiling import range_push
+from .strides import strided_view
+
+
+class WholeParams:
+    """One member's whole-parameter step over the buckets the pipeline hands it (updates.py)."""
+
+    def __init__(self, engine, member, group):
+        self.engine, self.member, self.group = engine, member, group
+
+    def step(self, it, items, tables: list[torch.Tensor], units, args: dict) -> None:
+        """The member's update of ``items``; ``tables``: its coefficient table for each item (columns
+        ``active``, ``grad_div``, ``step``: update/elementwise.COLUMNS); ``units``: its launches on this
+        rank (the rows of its region, for the masters' write-back)."""
+        m = self.member.index
+        found = args.get("found_inf")
+        skip = found is not None and float(found) != 0.0
+        inv = muon.inverse_scale(args["grad_scale"]) if args.get("grad_scale") is not None else None
+        hp = it.hparams[m]
+        rows: dict[int, list] = {}
+        for unit in units:
+            for row in unit.rows:
+                rows.setdefault(row[4], []).append((unit, row))
+        with range_push("fused_zero.whole_params"):
+            for item, table in zip(items, tables):
+                shard = item.shard
+                mine = [local for local in range(len(shard.layout.pids)) if shard.members[local] == m]
+                if mine:
+                    self._bucket(shard, mine, table.tolist(), skip, inv, args.get("clip_coef"), hp, rows)
+
+    def _bucket(self, shard, mine: list[int], table: list, skip: bool, inv, clip, hp: list[dict], rows) -> None:
+        e, algo = self.engine, self.member.algo
+        lay = shard.layout
+        grads = self._whole(shard.reduced_buffer, lay, reduced=e.grad_reduce == "all_reduce")
+        masters = None
+        if "master" in shard.names:
+            region = shard.values("master")
+            masters = self._whole_region(region, lay)
+        calls: dict[int, tuple] = {}
+        for local in mine:
+            pid = lay.pids[local]
+            c = table[pid]
+            if skip or c[0] == 0.0:
+                continue
+            p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
+            grad = muon.gradient(grads[off:off + n], c[1], inv, clip)
+            if masters is not None:
+                weight = masters[off:off + n]
+            elif shard.param_buffer.dtype == torch.float32:
+                weight = shard.param_buffer[off:off + n]
+            else:
+                weight = shard.param_buffer[off:off + n].float()
+            call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], []))
+            for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, c[2] - 1,
+                                         (weight, off, n))):
+                out.append(value)
+        for g, (params, grads_, pids, steps, where) in calls.items():
+            algo.step(params, grads_, pids, steps, hp[g])
+            for pid, (weight, off, n) in zip(pids, where):
+                if weight.data_ptr() != shard.param_buffer[off:off + n].data_ptr():
+                    shard.param_buffer[off:off + n].copy_(weight)  # rounded to the parameters' dtype
+                for unit, (so, length, _, _, _, elem) in rows.get(pid, ()):
+                    master = unit.state.get("master")
+                    if master is not None:
+                        master[so:so + length].copy_(weight[elem:elem + length])
+
+    def _whole(self, buffer: torch.Tensor, lay, reduced: bool) -> torch.Tensor:
+        """The bucket's reduced gradient on every rank: ``buffer`` where it is reduced whole, else its
+        slices all-gathered (the tail is reduced everywhere)."""
+        if reduced or lay.world_size == 1 or lay.shard == 0:
+            return buffer
+        whole = torch.empty(lay.numel, dtype=buffer.dtype, device=buffer.device)
+        lo = lay.rank * lay.shard
+        collectives.all_gather(whole[:lay.head], buffer[lo:lo + lay.shard], self.group, async_op=False)
+        whole[lay.head:].copy_(buffer[lay.head:lay.numel])
+        return whole
+
+    def _whole_region(self, region: torch.Tensor, lay) -> torch.Tensor:
+        """A region-shaped fp32 state (the masters) of the whole bucket, in bucket order, on every rank."""
+        whole = torch.empty(lay.numel, dtype=region.dtype, device=region.device)
+        lo, hi = lay.region_slice(lay.rank)
+        if lay.shard:
+            if lay.world_size == 1:
+                whole[:lay.head].copy_(region[lo:hi])
+            else:
+                collectives.all_gather(whole[:lay.head], region[lo:hi].contiguous(), self.group, async_op=False)
+        a, b = lay.region_tail(lay.rank)
+        whole[lay.head:].copy_(region[a:b])
+        return whole
