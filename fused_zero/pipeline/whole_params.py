@@ -3,9 +3,9 @@ update/adafactor.py), over gradients and masters sharded by element slices.
 
 For each bucket holding parameters of the member, in bucket order, on every rank of the shard group:
 
-1. the reduced gradient, whole: the bucket's buffer as it is with ``grad_reduce="all_reduce"`` (every
-   rank holds the reduced bucket), else one all-gather of the ranks' reduced slices (the tail is reduced
-   on every rank already);
+1. the reduced gradient, whole: the bucket's buffer as it is where one all-reduce reduced it
+   (``grad_reduce="all_reduce"``, and gloo's plan for a reduce-scatter: reduction.one_all_reduce), else
+   one all-gather of the ranks' reduced slices (the tail is reduced on every rank already);
 2. the fp32 weights, whole: the parameters themselves when they are fp32, else one all-gather of the
    ranks' fp32 master slices (the tail is every rank's);
 3. torch's update over the member's parameters of the bucket, one call per param group, on every rank
@@ -56,7 +56,7 @@ class WholeParams:
     def _bucket(self, shard, mine: list[int], table: list, skip: bool, inv, clip, hp: list[dict], rows) -> None:
         e, algo = self.engine, self.member.algo
         lay = shard.layout
-        grads = self._whole(shard.reduced_buffer, lay, reduced=e.grad_reduce == "all_reduce")
+        grads = self._whole(shard.reduced_buffer, lay, reduced=e.reduction.one_all_reduce)
         masters = None
         if "master" in shard.names:
             region = shard.values("master")

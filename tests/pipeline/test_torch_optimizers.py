@@ -80,6 +80,14 @@ def test_clipping_two_ranks():
     check(cases, run_ranks(run_cases, 2, cases))
 
 
+def test_nccls_reduction_plan_two_ranks():
+    """NCCL's plan forced on gloo: each rank's reduce-scatter leaves only its slice reduced (gloo's own
+    plan reduces the whole bucket), so Adafactor must gather the slices: bit for bit in every mode."""
+    cases = [Case(opt=opt, overlap=o, grad_reduce="reduce_scatter", bucket_cap_mb=b, plan="nccl", steps=4)
+             for opt in ("Adafactor", "RMSprop") for o, b in zip(("bucket", "backward", "step"), (TINY, TWO, ONE))]
+    check(cases, run_ranks(run_cases, 2, cases))
+
+
 def test_three_ranks():
     cases = [Case(opt=opt, overlap=o, grad_reduce=r, bucket_cap_mb=b, groups=2, steps=6)
              for opt, ((o, r), b) in zip(ALL, itertools.cycle(itertools.product(MODES, (TINY, ONE))))]
