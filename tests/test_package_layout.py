@@ -7,7 +7,8 @@ kernels/ is parsed, its imports resolved, and each import checked against what i
     update       kernels
     pipeline     kernels, options, update
     checkpoint   kernels, options, update, pipeline
-    streamcheck  kernels, options, update, pipeline
+    testing      kernels, options, update, pipeline (the stream-order checker the tests run the engine
+                 under: fused_zero/testing/streamcheck/)
     optimizer    options, update, pipeline, checkpoint
     root         (fused_zero/__init__.py) optimizer, versions
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
@@ -33,7 +34,7 @@ ALLOWED = {
     "update": {"kernels"},
     "pipeline": {"kernels", "options", "update"},
     "checkpoint": {"kernels", "options", "update", "pipeline"},
-    "streamcheck": {"kernels", "options", "update", "pipeline"},
+    "testing": {"kernels", "options", "update", "pipeline"},
     "optimizer": {"options", "update", "pipeline", "checkpoint"},
     "root": {"optimizer", "versions"},
     "integrations": {"root", "optimizer", "options", "integrations"},

@@ -12,7 +12,7 @@ The stream has the highest priority the device offers: the update sits on the pa
 reduction and its all-gather, and should not queue behind backward kernels.
 
 Every stream, event and pinned-memory call goes through one small object (``CudaStreams``), so that the
-stream-order checker (fused_zero/streamcheck) can stand in for it on the CPU and run this very code
+stream-order checker (fused_zero/testing/streamcheck) can stand in for it on the CPU and run this very code
 with its ordering recorded. Host-to-device copies are all asynchronous, from pinned memory, on the side
 stream (``upload``): a pageable copy would block the host on the step path.
 """
