@@ -104,7 +104,7 @@ class SideStream:
         stream: the side stream, or None on the CPU.
         relay: a second stream that issues the reductions queued after the backward's own (the
             all-reduce across replicas, the used flags' all-reduce): on the side stream they would
-            wait for the updates already queued there (docs/design.md "Issue order per communicator").
+            wait for the updates already queued there (docs/design-pipeline.md "Issue order per communicator").
         asynchronous: whether queued work runs later (CUDA), so that waits order streams instead of
             blocking the host; the engine's CPU shortcuts apply only where it is False.
     """

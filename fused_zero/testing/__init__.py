@@ -3,5 +3,5 @@ is from torch): nothing of the product imports them.
 
 ``fused_zero.testing.streamcheck``: the stream-order checker. ``StreamChecker`` runs the real engine on
 CPU tensors with stand-ins for CUDA's streams, events and graphs, and reports every stream-order hazard
-and every host synchronization (docs/design.md, "The stream-order checker").
+and every host synchronization (docs/design-streams.md, "The stream-order checker").
 """

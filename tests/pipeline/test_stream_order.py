@@ -583,7 +583,7 @@ def _segments_built_blocking(real):
 
 def _begin_with_a_host_wait(real):
     def begin_with_a_host_wait(self):
-        """The step counts as they were kept (on the host, design.md's old edge 6): the iteration's first
+        """The step counts as they were kept (on the host, design-streams.md's old edge 6): the iteration's first
         coefficient table waited for the last updates' flags, copied to the host, with an event wait."""
         side = self.side
         if side.stream is not None:
