@@ -1,10 +1,10 @@
-"""Muon across W ranks, as fused_zero.Muon runs it (docs/design.md, "Muon, sharded"), for real model shapes on the meta
-device: each hidden matrix's Newton-Schulz (NS) runs once per step, on one owner rank, and the momentum
-stays on the ranks' element slices. What a rank computes and sends per step, against DDP +
-torch.optim.Muon (every rank runs every matrix's NS) and against ZeRO-1 AdamW's collectives for the same
-parameters:
+"""Muon across W ranks, as fused_zero.Muon runs it (docs/design-optimizers.md, "Muon, sharded"), for
+real model shapes on the meta device: each hidden matrix's Newton-Schulz (NS) runs once per step, on one
+owner rank, and the momentum stays on the ranks' element slices. What a rank computes and sends per
+step, against DDP + torch.optim.Muon (every rank runs every matrix's NS) and against ZeRO-1 AdamW's
+collectives for the same parameters:
 
-    python bench/muon_scale_model.py                 # the markdown tables of docs/performance.md
+    python bench/muon_scale_model.py                 # the markdown tables of docs/performance-scale.md
     python bench/muon_scale_model.py --json out.json # the same numbers, every field
 
 **Matrices.** Muon's: the 2-D parameters of the blocks (attention and MLP weights); embeddings, the

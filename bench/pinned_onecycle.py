@@ -14,7 +14,7 @@ import time
 import torch
 
 import fused_zero
-from fused_zero.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.update.step_columns import UPLOAD_ROWS
 
 

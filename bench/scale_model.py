@@ -2,7 +2,7 @@
 code itself (fused_zero.pipeline.layout.BucketLayout) and DDP's own bucketing, for real model shapes built
 on the meta device (no memory, no GPU):
 
-    python bench/scale_model.py                 # the markdown tables of docs/performance.md
+    python bench/scale_model.py                 # the markdown tables of docs/performance-scale.md
     python bench/scale_model.py --json out.json # the same numbers, every field
 
 Models (bf16 parameters, fp32 master weights and AdamW moments, DDP's default 25 MiB buckets):

@@ -6,7 +6,7 @@ each run against fp32 AdamW's.
 Run: ``python bench/state_format_quality.py --out bench/results/<date>-state-formats [--steps 1000]``,
 and for the run-to-run spread ``... --runs fp32 --seeds 1 2 3 --tag spread``. It writes ``quality.json``
 (every run's loss curve, its final train and held-out losses, the optimizer bytes per rank) and
-``quality.png`` (the curves), and prints the table of docs/performance.md.
+``quality.png`` (the curves), and prints the table of docs/performance-compact-state.md.
 
 Runs (2 gloo ranks by default):
 

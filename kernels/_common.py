@@ -25,7 +25,7 @@ FP_FUSION = False
 """Passed as ``enable_fp_fusion`` to every launch. Without fusion the GPU rounds every product and sum
 as written, which is what the interpreter (IEEE numpy) computes, so the kernels' CI tests check the
 GPU's arithmetic; torch's CUDA kernels fuse some multiply-adds, hence a last-bit tolerance against
-torch.optim on the GPU (docs/design.md). Triton 3.10 changes the implicit default; this is explicit."""
+torch.optim on the GPU (docs/kernels.md). Triton 3.10 changes the implicit default; this is explicit."""
 
 
 assert len(COLUMNS) == 8 and VECTOR == 6 and BLOCK_INDEX == 7  # the row layout the jit code below reads

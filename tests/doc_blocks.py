@@ -51,8 +51,15 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
+    """Every heading's anchor (outside code blocks); as on GitHub, a repeated one gets -1, -2, ..."""
     text = FENCE.sub("", path.read_text())
-    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+    seen: dict[str, int] = {}
+    out = set()
+    for m in re.finditer(r"^#+ (.+)$", text, re.M):
+        name = slug(m.group(1))
+        out.add(f"{name}-{seen[name]}" if name in seen else name)
+        seen[name] = seen.get(name, 0) + 1
+    return out
 
 
 def broken_links(path: Path) -> list[str]:

@@ -46,7 +46,7 @@ def test_every_ranks_errors_are_reported(bench):
 
 
 def test_scale_model_follows_the_layout():
-    """bench/scale_model.py (the tables of docs/performance.md): its state per rank is the layout's
+    """bench/scale_model.py (the tables of docs/performance-scale.md): its state per rank is the layout's
     regions, 1/S of DDP + AdamW's plus the tails; the bytes follow the ring formulas."""
     path = Path(__file__).resolve().parents[1] / "bench" / "scale_model.py"
     spec = importlib.util.spec_from_file_location("scale_model_under_test", path)
@@ -67,7 +67,7 @@ def test_scale_model_follows_the_layout():
 
 
 def test_muon_scale_model_runs_each_matrix_once_and_balances_it():
-    """bench/muon_scale_model.py (docs/performance.md's Muon tables): every matrix gets one owner, so the
+    """bench/muon_scale_model.py (docs/performance-scale.md's Muon tables): every matrix gets one owner, so the
     ranks together do one process's NS work; the busiest rank is within 5% of the mean at W=8; one rank
     sends and receives nothing; the momentum is 1/W."""
     bench_dir = Path(__file__).resolve().parents[1] / "bench"

@@ -7,15 +7,17 @@ kernels/ is parsed, its imports resolved, and each import checked against what i
     update       kernels
     pipeline     kernels, options, update
     checkpoint   kernels, options, update, pipeline
-    streamcheck  kernels, options, update, pipeline
+    testing      kernels, options, update, pipeline (the stream-order checker the tests run the engine
+                 under: fused_zero/testing/streamcheck/)
     optimizer    options, update, pipeline, checkpoint
     root         (fused_zero/__init__.py) optimizer, versions
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
     demo         root, optimizer, options
 
 So the pipeline never imports checkpoints, integrations or the demo, nothing imports the demo, and
-only the integrations import their frameworks. Also held here: no module over 400 lines, no class over
-250.
+only the integrations import their frameworks. No two modules import each other, however far round:
+the imports of the package's modules make no circle (imports under ``if TYPE_CHECKING:`` and inside
+functions count too). Also held here: no module over 400 lines, no class over 250.
 """
 
 import ast
@@ -33,7 +35,7 @@ ALLOWED = {
     "update": {"kernels"},
     "pipeline": {"kernels", "options", "update"},
     "checkpoint": {"kernels", "options", "update", "pipeline"},
-    "streamcheck": {"kernels", "options", "update", "pipeline"},
+    "testing": {"kernels", "options", "update", "pipeline"},
     "optimizer": {"options", "update", "pipeline", "checkpoint"},
     "root": {"optimizer", "versions"},
     "integrations": {"root", "optimizer", "options", "integrations"},
@@ -129,6 +131,95 @@ def test_a_forbidden_import_is_named(module, source, expected):
     """The check itself can fail: each of these imports breaks the map and is reported."""
     found = violations(module, source)
     assert found and expected in found[0], found
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the modules among ``sources`` (dotted name -> (source, is_package)) it imports."""
+    return {module: {t for t in imports(module, source, is_package) if t in sources and t != module}
+            for module, (source, is_package) in sources.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle ``[a, b, ..., a]`` for each group of modules that import each other (a strongly
+    connected component of more than one module: Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, groups = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.add(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(group)
+    return [_circle_through(graph, group) for group in groups]
+
+
+def _circle_through(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """The shortest circle from the group's first module back to itself, inside the group."""
+    first = min(group)
+    came_from, frontier = {first: None}, [first]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(graph[node] & group):
+                if target == first:
+                    path = [node]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), first]
+                if target not in came_from:
+                    came_from[target] = node
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"no circle in {sorted(group)}")
+
+
+def test_no_import_circle():
+    """No module imports one that (directly or further round) imports it back: a circle is two modules
+    that can be neither read nor changed apart, and whose import order decides whether either loads."""
+    sources = {module: (path.read_text(), path.name == "__init__.py") for module, path in modules()}
+    found = circles(import_graph(sources))
+    assert not found, "import circles in the package: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_an_import_circle_is_named():
+    """The circle check itself can fail: two modules importing each other, and three in a ring."""
+    sources = {"fused_zero.options": ("import fused_zero.versions\n", False),
+               "fused_zero.versions": ("from .options import Options\n", False),
+               "fused_zero.pipeline.engine": ("from ..checkpoint import canonical\n", False),
+               "fused_zero.checkpoint.canonical": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                   "    from fused_zero.update import algorithms\n", False),
+               "fused_zero.update.algorithms": ("def f():\n    from ..pipeline import engine\n", False),
+               "fused_zero.kernels": ("import fused_zero.options\n", True)}
+    found = circles(import_graph(sources))
+    assert ["fused_zero.options", "fused_zero.versions", "fused_zero.options"] in found, found
+    assert ["fused_zero.checkpoint.canonical", "fused_zero.update.algorithms", "fused_zero.pipeline.engine",
+            "fused_zero.checkpoint.canonical"] in found, found
+    assert len(found) == 2, found
 
 
 def test_every_part_is_a_known_one():

@@ -1,5 +1,6 @@
 """Promises the README and the docs pages make that no other test holds: every relative link resolves,
-every python code block runs (or is named below with the test that runs it elsewhere), the README's
+to a file and to one of its headings (GitHub's anchors), no docs page is over 20,000 bytes, every python
+code block runs (or is named below with the test that runs it elsewhere), the README's
 option table is the one fused_zero/options.py describes, the README fits its size, the example runs as
 written, and the bound on the replicated tail (docs/shard-groups.md)."""
 
@@ -20,6 +21,8 @@ from fused_zero.pipeline.layout import BucketLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT = 12288
+DOCS_LIMIT = 20000
+"""A docs page is about one task or one mechanism; docs/design.md and docs/performance.md list theirs."""
 
 # python blocks not run by test_doc_blocks_run, each with the test that covers it; a key is (page, a
 # string only that block of the page holds)
@@ -55,17 +58,44 @@ def test_readme_fits():
     assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move detail into docs/"
 
 
+def oversized(pages) -> list[str]:
+    """Every page over ``DOCS_LIMIT`` bytes, named with its size."""
+    sizes = [(page, len(page.read_bytes())) for page in pages]
+    return [f"{doc_blocks.page_name(page)} is {size} bytes, over {DOCS_LIMIT}: split it into pages by task"
+            for page, size in sizes if size > DOCS_LIMIT]
+
+
+def test_docs_pages_fit():
+    assert oversized(sorted((ROOT / "docs").glob("*.md"))) == []
+
+
+def test_an_oversized_page_is_named(tmp_path):
+    """The size check itself can fail: a page one byte over the limit is named, one at it is not."""
+    (tmp_path / "big.md").write_bytes(b"x" * (DOCS_LIMIT + 1))
+    (tmp_path / "fits.md").write_bytes(b"x" * DOCS_LIMIT)
+    assert oversized(sorted(tmp_path.glob("*.md"))) == [f"big.md is {DOCS_LIMIT + 1} bytes, over {DOCS_LIMIT}: "
+                                                         "split it into pages by task"]
+
+
 @pytest.mark.parametrize("page", doc_blocks.PAGES, ids=doc_blocks.page_name)
 def test_relative_links_resolve(page):
     assert doc_blocks.broken_links(page) == []
 
 
 def test_a_broken_link_is_named(tmp_path):
-    """The link check itself can fail: a missing file and a missing heading are both reported."""
+    """The link check itself can fail: a missing file and a missing heading are both reported, in the
+    page itself and in another one, with GitHub's anchors (punctuation but '-' and '_' dropped, spaces as
+    '-', a repeated heading's anchor numbered)."""
     page = tmp_path / "page.md"
     page.write_text("# Title\n[a](missing.md) [b](#title) [c](#nowhere) [d](https://x.org/y)\n")
     assert doc_blocks.broken_links(page) == ["page.md: missing.md (no such file)",
                                              "page.md: #nowhere (no heading #nowhere in page.md)"]
+    (tmp_path / "other.md").write_text("# Top\n## The default overlap (\"auto\")\n## `snake_case`, a-b\n## Top\n")
+    page.write_text("[a](other.md#the-default-overlap-auto) [b](other.md#snake_case-a-b) [c](other.md#top-1)\n"
+                    "[d](other.md#top-2) [e](other.md#the-default-overlap)\n")
+    assert doc_blocks.broken_links(page) == [
+        "page.md: other.md#top-2 (no heading #top-2 in other.md)",
+        "page.md: other.md#the-default-overlap (no heading #the-default-overlap in other.md)"]
 
 
 def test_every_elsewhere_entry_names_one_block():

@@ -2,7 +2,7 @@
 want it: a rank's host runs ahead of its device.
 
 Under NCCL nothing blocks a rank's host in the iteration after the one a requester stopped at (its
-reductions and their waits are stream operations, see docs/design.md, "Streams"). So while rank 0 is in
+reductions and their waits are stream operations, see docs/design-streams.md, "Streams"). So while rank 0 is in
 ``state_dict()`` at version N, rank 1 finishes ``step()`` N+1 on the host and publishes N+1, with its
 N+1 updates still queued on its device behind a reduce-scatter that rank 0 has not joined: the device
 holds version N, only the host's count and event moved on. Version N must then still be served, from

@@ -254,14 +254,10 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         parts = [part for s in view.shards() for part in view.parts(s)]
         numel = sum(p.numel() for p in view.params)
         masters = sum(p.numel() * 4 for p in view.params if engine.options.keeps_master(p.dtype))
-        algo = self._algorithm
-        kept = algo.bytes_kept() if hasattr(algo, "bytes_kept") else 0  # beside the regions, on every rank
-        reference = algo.reference_bytes(view.params) if hasattr(algo, "reference_bytes") else \
-            numel * 4 * len(algo.state_names())
         return {
-            "state": sum(t.numel() * t.element_size() for part in parts
-                         for t in (*part.state.values(), *part.scales.values())) + kept,
-            "reference_state": reference + masters,
+            "state": sum(t.numel() * t.element_size() for part in parts  # + what is kept beside the regions
+                         for t in (*part.state.values(), *part.scales.values())) + self._algorithm.bytes_kept(),
+            "reference_state": self._algorithm.reference_bytes(view.params) + masters,
             # the flat parameter buffers are the DDP module's, shared by its optimizers
             "param_buffers": sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in engine.shards()),
             "elements": numel,

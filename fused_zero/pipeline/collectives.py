@@ -1,5 +1,5 @@
 """Every collective fused_zero issues, in one place: callers use ``collectives.<name>(...)``, looked up at
-call time, so that the stream-order checker (fused_zero/streamcheck) can stand in for them and record
+call time, so that the stream-order checker (fused_zero/testing/streamcheck) can stand in for them and record
 which stream each one follows and which tensors it reads and writes.
 
 The flat-tensor collectives carry this torch's names: 2.13 renamed them (``reduce_scatter_single``,

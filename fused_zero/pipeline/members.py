@@ -7,7 +7,7 @@ optimizers are independent objects: its parameters, param groups, algorithm and 
 part per member and state format, shard.py), its coefficient table and launches, its ``step()`` (in
 overlap="step" its update runs then: stepping.py), its overflow skip and skip count, its GradScaler state
 (amp.py), its ``state_dict()`` and schedulers. ``max_grad_norm`` clips by the norm of every member's
-gradients, as one ``clip_grad_norm_(model.parameters())`` before the steps does (docs/design.md,
+gradients, as one ``clip_grad_norm_(model.parameters())`` before the steps does (docs/design-optimizers.md,
 "Several optimizers, each torch.optim's own").
 
 ``MemberView`` is one member's share as the checkpoint side reads it (checkpoint/*): its parameters in

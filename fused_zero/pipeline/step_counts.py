@@ -1,5 +1,5 @@
 """Each parameter's step count, kept on the update's device and counted there, so that no host wait is
-on the step path (docs/design.md, "Streams", "Step counts on the device").
+on the step path (docs/design-streams.md, "Streams", "Step counts on the device").
 
 Whether an update counted depends on device flags: whether some rank found its gradients non-finite
 (then the update wrote nothing and counts no step) and, where DDP may skip parameters, which got a

@@ -12,7 +12,7 @@ after the replay, the skip count and the GradScaler's flags.
 
 What the graph holds: everything ``Updates._device_work`` queues. It reads device memory only, writes
 only tensors that outlive it, makes no host synchronization and allocates nothing (the stream-order
-checker's capture model, streamcheck/graphs.py, reports any of these on the CPU). Its gathers are
+checker's capture model, testing/streamcheck/graphs.py, reports any of these on the CPU). Its gathers are
 joined inside it: the forward then waits for the side stream, not for each bucket.
 
 When: the device work of a step is described by its *key*: every tensor it reads or writes (address,

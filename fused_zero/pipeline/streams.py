@@ -12,7 +12,7 @@ The stream has the highest priority the device offers: the update sits on the pa
 reduction and its all-gather, and should not queue behind backward kernels.
 
 Every stream, event and pinned-memory call goes through one small object (``CudaStreams``), so that the
-stream-order checker (fused_zero/streamcheck) can stand in for it on the CPU and run this very code
+stream-order checker (fused_zero/testing/streamcheck) can stand in for it on the CPU and run this very code
 with its ordering recorded. Host-to-device copies are all asynchronous, from pinned memory, on the side
 stream (``upload``): a pageable copy would block the host on the step path.
 """
@@ -104,7 +104,7 @@ class SideStream:
         stream: the side stream, or None on the CPU.
         relay: a second stream that issues the reductions queued after the backward's own (the
             all-reduce across replicas, the used flags' all-reduce): on the side stream they would
-            wait for the updates already queued there (docs/design.md "Issue order per communicator").
+            wait for the updates already queued there (docs/design-pipeline.md "Issue order per communicator").
         asynchronous: whether queued work runs later (CUDA), so that waits order streams instead of
             blocking the host; the engine's CPU shortcuts apply only where it is False.
     """

@@ -283,7 +283,7 @@ def post_update_groups(topo: Topology) -> tuple[object, object]:
     """``(gathers' group, checks' group)``: twins of the shard group and of DDP's group, for the
     collectives that wait for an update (the all-gathers, the overflow / norm check's all-reduce) in
     ``overlap="bucket"``. A communicator runs its collectives in issue order, so on the reductions' own
-    groups the next bucket's reduction would queue behind this bucket's update (docs/design.md "Issue
+    groups the next bucket's reduction would queue behind this bucket's update (docs/design-pipeline.md "Issue
     order per communicator"). Made once per set of ranks, by its members, in the same order on each;
     where a twin would not number its ranks as the group it stands for, the group itself is used."""
     ddp_ranks = tuple(sorted(r for members in topo.global_ranks for r in members))

@@ -14,7 +14,7 @@ phases, every one of them issued on every rank of the shard group in the same or
 
 So each matrix's Newton-Schulz runs once per shard group and step, the momentum stays 1/S per rank,
 and the exchange moves each slice element twice in bf16 (4 bytes) beyond ZeRO-1's reduce-scatter and
-all-gather (docs/design.md, "Muon", weighs the alternatives). A step whose gradients are not finite
+all-gather (docs/design-optimizers.md, "Muon, sharded", weighs the alternatives). A step whose gradients are not finite
 changes nothing (the skip flag is the same on every rank); a parameter with no gradient this step is
 skipped, as torch skips ``p.grad is None``.
 

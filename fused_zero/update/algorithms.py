@@ -83,6 +83,14 @@ class Algorithm:
     def check_engine(self, engine, member) -> None:
         """Refuse at construction what this algorithm cannot run with the engine's options (Muon's)."""
 
+    def bytes_kept(self) -> int:
+        """State this rank keeps beside the regions (Adafactor's statistics), for ``memory()``."""
+        return 0
+
+    def reference_bytes(self, params) -> int:
+        """torch.optim's state of ``params``, fp32, for ``memory()``."""
+        return sum(p.numel() for p in params) * 4 * len(self.state_names())
+
     def compile(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
         """Launch each kernel once on a row with nothing active, so that Triton compiles now."""
         self.update(backend, rows, segments, coefs, args)

@@ -22,7 +22,7 @@ What torch keeps per parameter beside the tensors is kept here, replicated on ev
   with elements).
 
 The host reads the coefficient table (active flags, step counts) and the skip flag of each launch: free
-on the CPU, one wait for the device per launch on CUDA (docs/design.md, "Every torch optimizer").
+on the CPU, one wait for the device per launch on CUDA (docs/optimizers.md).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class BlockTable:
     the table and kept beside it (a shard's Part, an arena's Launch). A new layout builds new tables, so
     it is never stale. Everything a step or a store used to rebuild from the table: the CPU update's
     host rows, and each slot's block, made on the state's device from a per-block table (one op, no
-    host tensor read there, no Python loop over the rows). Measured (docs/performance.md): a store of
+    host tensor read there, no Python loop over the rows). Measured (docs/performance-compact-state.md): a store of
     a 905k-slot region 39-46 -> 28 ms; the CPU step's int8/fp32 ratio barely moved (10.2 against
     9.8-12.9), the codec's ``where`` was the cost (now 4.8-5.4 without it).
 

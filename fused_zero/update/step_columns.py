@@ -17,7 +17,7 @@ steps so far need, not 16 bytes times its 3.7e8 steps up front. Betas that chang
 scheduler's ``cycle_momentum``) rewrite the same table (``BiasTables``).
 
 The fill is 9 small device ops per table (one table per iteration in the steady state) and the count 5
-per table read (one in backward and step modes): docs/performance.md has their host time.
+per table read (one in backward and step modes): docs/performance-cpu.md has their host time.
 """
 
 from __future__ import annotations

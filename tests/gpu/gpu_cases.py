@@ -29,7 +29,7 @@ def measure(kind: str, what: str, mine: torch.Tensor, theirs: torch.Tensor) -> N
     """Record how far ``mine`` is from torch.optim's ``theirs`` (largest difference, relative to the
     tensor's scale and in ulps of it, share of elements that differ at all), one JSON line per call to
     the file ``GPU_MEASURE`` names (bench/gpu_check.sh sets it): the first GPU run measures what the
-    tolerances below are set to; docs/performance.md lists the figures it must produce."""
+    tolerances below are set to; docs/performance-gpu-run.md lists the figures it must produce."""
     path = os.environ.get("GPU_MEASURE")
     if not path:
         return

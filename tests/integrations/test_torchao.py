@@ -3,11 +3,11 @@ torchao's own correctness test (test/test_low_bit_optim.py: ``Linear(32, 1024), 
 128)``, default hyperparameters, compared within rtol = atol = 1e-5), on the CPU, where torchao runs its
 step through ``torch.compile``. Skipped where torchao is not installed (``pip install torchao``).
 
-Where the two schemes differ (docs/design.md, "Compact state"): torchao quantizes each moment through
-a 256-entry dynamic map in blocks of 256, and its unsigned map has a 0 code, onto which a second moment
-far below its block's maximum falls while the first moment does not: the next step divides that first
-moment by ``eps`` alone. fused_zero's codes are small floats relative to blocks of up to 2048 (a
-kernel row), the second moment never coded 0 unless it is 0.
+Where the two schemes differ (docs/design-compact-state.md, "Compact state formats"): torchao quantizes
+each moment through a 256-entry dynamic map in blocks of 256, and its unsigned map has a 0 code, onto
+which a second moment far below its block's maximum falls while the first moment does not: the next step
+divides that first moment by ``eps`` alone. fused_zero's codes are small floats relative to blocks of up
+to 2048 (a kernel row), the second moment never coded 0 unless it is 0.
 """
 
 import copy

@@ -22,7 +22,7 @@ from distributed import run_ranks
 from scenarios import Case, run_case
 
 from fused_zero.pipeline import collectives
-from fused_zero.streamcheck import backends
+from fused_zero.testing.streamcheck import backends
 
 CUDA, CPU = torch.device("cuda", 1), torch.device("cpu")
 GROUP = object()  # the stubbed reports answer for any group

@@ -410,7 +410,7 @@ def test_8bit_regions_are_decoded_and_encoded_on_their_device():
     Under the checker, whose device memory is what a factory makes with a ``device=`` torch.device; two
     pieces with a gap no row covers. The codes and scales are the ones a masked encoding gives."""
     from fused_zero.kernels import row_table
-    from fused_zero.streamcheck import StreamChecker
+    from fused_zero.testing.streamcheck import StreamChecker
     from fused_zero.update import formats
 
     device = torch.device("cpu")

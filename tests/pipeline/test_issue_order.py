@@ -26,7 +26,7 @@ from distributed import run_ranks
 from test_stream_order import train
 
 from fused_zero.pipeline import collectives
-from fused_zero.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck import StreamChecker
 
 REDUCTION = os.path.join("fused_zero", "pipeline", "reduction.py")
 

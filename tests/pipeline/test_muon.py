@@ -122,7 +122,7 @@ def gpt2_small_matrices() -> list[tuple[int, int]]:
 def test_owners_balance_the_newton_schulz_cost(world):
     """Longest-processing-time first over GPT-2 small's 48 matrices: the busiest rank's Newton-Schulz
     cost within 25% of an even share up to 16 ranks (beyond, a rank gets a handful of matrices and the
-    largest one bounds it: docs/performance.md's scale rows)."""
+    largest one bounds it: docs/performance-scale.md's scale rows)."""
     shapes = gpt2_small_matrices()
     owner = owners(shapes, world)
     cost = [m * n * min(m, n) for m, n in shapes]

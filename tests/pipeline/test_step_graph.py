@@ -1,6 +1,6 @@
 """``capturable=True``: ``step()``'s device work captured once in a CUDA graph and replayed
 (pipeline/step_graph.py), run on the CPU under the stream-order checker, whose graph model
-(streamcheck/graphs.py) runs the capture's recorded operations on replay and reports what a real capture
+(testing/streamcheck/graphs.py) runs the capture's recorded operations on replay and reports what a real capture
 would refuse or lose: a host synchronization, an allocation, work outside the capture, a wait for work
 from outside it, a stream not joined back, host work.
 
@@ -28,8 +28,8 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.streamcheck import StreamChecker
-from fused_zero.streamcheck.device import ModeledStreams
+from fused_zero.testing.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck.device import ModeledStreams
 
 STEPS = 8
 DEVICE = torch.device("cpu")  # the checker's device memory

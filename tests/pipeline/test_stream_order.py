@@ -1,5 +1,5 @@
 """The CUDA ordering of the pipeline, checked on the CPU: the real engine runs under
-``fused_zero.streamcheck.StreamChecker``, which gives it a modeled side stream (so it takes its CUDA
+``fused_zero.testing.streamcheck.StreamChecker``, which gives it a modeled side stream (so it takes its CUDA
 code path) and reports every tensor one stream touches after another stream wrote it (or writes after
 another read it) with no ordering edge between them, and every block freed into one stream's pool while
 another stream's use of it is not ordered before that stream.
@@ -12,7 +12,7 @@ another stream's use of it is not ordered before that stream.
   the rebuild too, which holds them in fp32 until it). All of it with the
   process groups reporting what ``init_process_group("nccl")`` makes on a GPU machine, and a subset
   (every overlap mode once, bf16 reduction in one) for "cpu:gloo,cuda:nccl" and for no backend at all:
-  the code's own backend choices run (streamcheck/backends.py). Zero hazards, and no host
+  the code's own backend choices run (testing/streamcheck/backends.py). Zero hazards, and no host
   synchronization on the step path of any iteration (the step counts live on the device,
   step_counts.py); the old wait for them, put back, is named.
 - Shard groups of 2 at four ranks and gradients reduced in bf16 (flat and sharded), every overlap mode x
@@ -57,8 +57,8 @@ from fused_zero.pipeline import hooks as hooks_module
 from fused_zero.pipeline import streams as streams_module
 from fused_zero.pipeline.reduction import Reduction
 from fused_zero.pipeline.updates import Updates
-from fused_zero.streamcheck import StreamChecker
-from fused_zero.streamcheck.backends import patched
+from fused_zero.testing.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck.backends import patched
 from fused_zero.update import formats
 
 STEPS = 5
@@ -583,7 +583,7 @@ def _segments_built_blocking(real):
 
 def _begin_with_a_host_wait(real):
     def begin_with_a_host_wait(self):
-        """The step counts as they were kept (on the host, design.md's old edge 6): the iteration's first
+        """The step counts as they were kept (on the host, design-streams.md's old edge 6): the iteration's first
         coefficient table waited for the last updates' flags, copied to the host, with an event wait."""
         side = self.side
         if side.stream is not None:

@@ -8,7 +8,7 @@ training loop's) belongs to the thread that made it, whichever reads it first.""
 
 import torch
 
-from fused_zero.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck import StreamChecker
 
 
 def _freed_after_a_collective(wait: bool) -> list:
@@ -39,7 +39,7 @@ def _block_index_read_by_the_server_first() -> list:
     import threading
 
     from fused_zero.kernels import row_table
-    from fused_zero.streamcheck.device import ModeledStreams
+    from fused_zero.testing.streamcheck.device import ModeledStreams
     from fused_zero.update.formats import BlockTable
 
     with StreamChecker() as checker:

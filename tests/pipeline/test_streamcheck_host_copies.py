@@ -10,9 +10,9 @@ import threading
 
 import torch
 
-from fused_zero.streamcheck import StreamChecker
-from fused_zero.streamcheck.clocks import HOST_READ
-from fused_zero.streamcheck.device import ModeledStreams
+from fused_zero.testing.streamcheck import StreamChecker
+from fused_zero.testing.streamcheck.clocks import HOST_READ
+from fused_zero.testing.streamcheck.device import ModeledStreams
 
 CPU = torch.device("cpu")
 

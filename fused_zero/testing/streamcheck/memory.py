@@ -7,25 +7,45 @@ names where the data came from, not the temporary a device operation read). A st
 address together with a weak reference to it: the allocator reuses an address once its storage is
 dead, possibly before the weak reference's callback that records the free has run, and the weak
 reference tells the two apart.
+
+It knows the checker only as ``Owner``: what it asks of it (its lock, its clocks, its streams, where an
+operation was queued), so memory.py imports nothing of checker.py.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from .checker import StreamChecker
-    from .clocks import Storage
+    import threading
+
+    from .clocks import Clocks, Storage
+    from .graphs import Capture
+
+
+class Owner(Protocol):
+    """What ``Memory`` asks of the checker it belongs to (``StreamChecker``, checker.py)."""
+
+    lock: threading.RLock  # held while the model changes (training and server threads)
+    clocks: Clocks  # the storages' entries and their frees
+    host: int  # the host's stream index
+
+    @property
+    def current(self) -> int | None: ...  # the stream the calling thread queues on (None: not recorded)
+
+    def capturing(self) -> Capture | None: ...  # the CUDA graph capture the calling code queues into
+
+    def where(self) -> str: ...  # the line that queued the operation
 
 
 class Memory:
     """The storages of one ``StreamChecker`` (its clocks hold their accesses; this holds their
     identities)."""
 
-    def __init__(self, checker: StreamChecker):
+    def __init__(self, checker: Owner):
         self.checker = checker
         self._refs: dict = {}  # storage key -> weak reference to the storage registered there
 

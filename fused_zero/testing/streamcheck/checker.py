@@ -36,9 +36,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..pipeline import collectives, norm_check, streams, warmup
-from ..update.algorithms import Algorithm
+from ... import kernels
+from ...pipeline import collectives, norm_check, streams, warmup
+from ...update.algorithms import Algorithm
 from . import backends, standins
 from .clocks import Clocks, Hazard
 from .device import ModeledEvent, ModeledStreams, finished_serving
@@ -46,7 +46,7 @@ from .graphs import Capture
 from .memory import Memory
 from .trace import DispatchCalls, function_patches
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fused_zero/
 _KERNELS = os.path.dirname(os.path.abspath(kernels.__file__))  # kernels/ in a source checkout
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
