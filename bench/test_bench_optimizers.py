@@ -29,10 +29,11 @@ from fused_zero.update.elementwise import SPECS
 
 HP = {"AdamW": dict(lr=1e-3, weight_decay=0.1), "Adagrad": dict(lr=1e-2), "Adadelta": dict(lr=1.0),
       "Adamax": dict(lr=2e-3), "ASGD": dict(lr=1e-2), "NAdam": dict(lr=2e-3), "RAdam": dict(lr=1e-3),
-      "RMSprop": dict(lr=1e-3, momentum=0.9), "Rprop": dict(lr=1e-3)}
+      "RMSprop": dict(lr=1e-3, momentum=0.9), "Rprop": dict(lr=1e-3), "Adafactor": dict(lr=1e-2)}
 STATES = {"AdamW": 2, **{name: len(SPECS[name].state) for name in TWINS}}
 STATES["RMSprop"] = 2  # square_avg and, with momentum, momentum_buffer
-OPTIMIZERS = ["AdamW", *TWINS]
+STATES["Adafactor"] = 0  # a few numbers per row and column
+OPTIMIZERS = ["AdamW", *TWINS, "Adafactor"]
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 20 if CUDA else 6))
 WARMUP = 2

@@ -37,7 +37,7 @@ ALL = (*TWINS, "Adafactor")
 
 def test_every_optimizer_in_every_mode_two_ranks():
     sizes = itertools.cycle((TINY, TWO, ONE))
-    cases = [Case(opt=opt, overlap=o, grad_reduce=r, bucket_cap_mb=next(sizes), groups=2)
+    cases = [Case(opt=opt, overlap=o, grad_reduce=r, bucket_cap_mb=next(sizes), groups=2, steps=8)
              for opt in ALL for o, r in MODES]
     results = run_ranks(run_cases, 2, cases)
     check(cases, results)
