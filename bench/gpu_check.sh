@@ -76,7 +76,7 @@ PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs)
 # all ran out of their old 10-25 s (bench-kernels had done 40 of its cases in 20 s).
 declare -A LIMIT=(
     [nvidia-smi]=5 [versions]=10
-    [gpu-kernels]=40 [gpu-engine]=45 [gpu-muon]=32 [gpu-several]=30 [gpu-graph]=28 [gpu-formats]=30
+    [gpu-kernels]=40 [gpu-engine]=45 [gpu-muon]=32 [gpu-several]=40 [gpu-graph]=28 [gpu-formats]=30
     [gpu-host-sync]=35 [gpu-ranks]=65 [gpu-state-dict]=30
     [gpu-torch-sanitizer]=35 [memcheck]=40 [bench-kernels]=90 [bench-step]=60 [bench-graph]=60 [bench-optimizers]=30 [demo]=30
 )
@@ -138,6 +138,7 @@ print('triton', triton.__version__)"
 gpu gpu-kernels "kernels"
 gpu gpu-engine "engine_world1"
 gpu gpu-muon "muon_beside"
+# gpu-several also runs torch.optim's twins (test_several_optimizers_torch_optimizers_twins; its limit a guess)
 gpu gpu-several "several_optimizers"
 gpu gpu-graph "cuda_graph"
 gpu gpu-formats "compact_state_formats"

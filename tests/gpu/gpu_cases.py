@@ -849,6 +849,46 @@ def case_several_optimizers():
     run_ranks(_several, 1, backend="nccl", timeout=300)
 
 
+def _torch_optimizers(rank, world, steps=6):
+    """Each torch.optim twin (optimizer/twins.py) and Adafactor against torch.optim.<Name> with torch's
+    default implementation on CUDA (foreach), in the bucket and step overlaps: the twins run torch's own
+    foreach over the slice views, elementwise the same ops, so within a few fp32 ulps (6 steps); a skipped
+    or doubled step moves a weight by about lr. Prints each one's state bytes against torch's."""
+    from scenarios import DEFAULT_HPARAMS, VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+    from fused_zero.optimizer import TWINS
+
+    device = torch.device("cuda", 0)
+    for name in (*TWINS, "Adafactor"):
+        for overlap in ("bucket", "step"):
+            model, ref = _twin_models(device)
+            ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
+            opt = getattr(fused_zero, name)(ddp.parameters(), ddp=ddp, overlap=overlap, **DEFAULT_HPARAMS[name])
+            ref_opt = getattr(torch.optim, name)(ref_ddp.parameters(), **DEFAULT_HPARAMS[name])
+            for step in range(1, steps + 1):
+                x, y = (t.to(device) for t in batch(step, 0, rank))
+                for d, o in ((ref_ddp, ref_opt), (ddp, opt)):
+                    F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+                    o.step()
+                    o.zero_grad()
+                opt.synchronize()
+                for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+                    measure("torch-optimizers", f"{name} {overlap} step {step} {pname}", p, q)
+                    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                               msg=lambda m, n=f"{name} {overlap} step {step} {pname}": f"{n}: {m}")
+            print(f"{name} {overlap}: state bytes {opt.memory()['state']} (torch.optim: "
+                  f"{opt.memory()['reference_state']})")
+            opt._engine.close()
+
+
+def case_torch_optimizers():
+    from fused_zero.demo.spawn import run_ranks
+
+    run_ranks(_torch_optimizers, 1, backend="nccl", timeout=300)
+
+
 def _late_lr_on_rank_zero(rank, world, overlap):
     """A scheduler stepped under ``if rank == 0`` between the backward and ``step()`` at step 3, in a mode
     whose update ran in the backward: rank 0 refuses in its step 3; rank 1, which learns it from the

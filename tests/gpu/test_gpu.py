@@ -58,6 +58,10 @@ def test_compact_state_formats():
     run_case("formats")
 
 
+def test_several_optimizers_torch_optimizers_twins():
+    run_case("torch_optimizers")
+
+
 def test_step_path_never_syncs_the_host():
     run_case("no_host_sync")
 
