@@ -12,7 +12,23 @@ import torch
 
 from .reduction import Reduced, UsedFlags
 from .shard import BucketShard
-from .step_graph import identity
+
+
+def identity(x) -> object:
+    """What a captured launch fixes of ``x`` (the key of a step's graph, step_graph.py): a tensor's
+    address, shape, strides and dtype; a container's items'; a number as it is; an object's
+    ``graph_identity()`` where it has one."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+    if hasattr(x, "graph_identity"):
+        return x.graph_identity()
+    if isinstance(x, (tuple, list)):
+        return tuple(identity(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, identity(v)) for k, v in x.items())
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return ("object", id(x))  # layout objects: kept alive with the graph, so the id is not reused
 
 
 @dataclass

@@ -29,7 +29,6 @@ from ..kernels import Segments, row_table
 from ..update import formats
 from ..update.formats import DTYPES
 from .layout import BucketLayout
-from .packed_gather import lead_member, member_runs
 from .strides import strided_view
 
 PART_ALIGN = 32
@@ -167,6 +166,27 @@ def _runs(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [tuple(r) for r in out]
 
 
+def member_runs(layout, members: np.ndarray, member: int) -> list[list[tuple[int, int]]]:
+    """``(bucket offset, length)`` of ``member``'s elements in each rank's slice of the bucket, in bucket
+    order (the tail is every rank's: nothing to gather). What packed_gather.py gathers for a member."""
+    out = []
+    for r in range(layout.world_size):
+        lo, hi = layout.slice_of(r)
+        out.append([(p.bucket_off, p.length) for p in layout.pieces(r)
+                    if lo <= p.bucket_off < hi and members[p.local] == member])
+    return out
+
+
+def lead_member(layout, members: np.ndarray) -> int:
+    """The member with the most elements of the bucket (the lowest index on a tie): it gathers the whole
+    head; the same on every rank."""
+    counts: dict[int, int] = {}
+    for m, n in zip(members.tolist(), layout.numels):
+        if m >= 0:
+            counts[m] = counts.get(m, 0) + n
+    return min(counts, key=lambda m: (-counts[m], m))
+
+
 class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
@@ -299,7 +319,7 @@ class BucketShard:
         return self._device_pids[member][0]
 
     def member_runs(self, member: int) -> list[list[tuple[int, int]]]:
-        """``member``'s runs in each rank's slice (packed_gather.member_runs), made at first use."""
+        """``member``'s runs in each rank's slice (``member_runs`` above), made at first use."""
         if member not in self._member_runs:
             self._member_runs[member] = member_runs(self.layout, self.members, member)
         return self._member_runs[member]

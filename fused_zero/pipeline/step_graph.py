@@ -25,25 +25,8 @@ stepped without ``unscale_`` after steps with it: a few captures per run.
 
 from __future__ import annotations
 
-import torch
-
+from .launches import identity
 from .profiling import range_push
-
-
-def identity(x) -> object:
-    """What a captured launch fixes of ``x``: a tensor's address, shape, strides and dtype; a
-    container's items'; a number as it is; an object's ``graph_identity()`` where it has one."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
-    if hasattr(x, "graph_identity"):
-        return x.graph_identity()
-    if isinstance(x, (tuple, list)):
-        return tuple(identity(v) for v in x)
-    if isinstance(x, dict):
-        return tuple((k, identity(v)) for k, v in x.items())
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return ("object", id(x))  # layout objects: kept alive with the graph, so the id is not reused
 
 
 class StepGraph:
