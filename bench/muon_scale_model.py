@@ -14,7 +14,7 @@ DDP's (scale_model.py's ``ddp_bucket_params``, 25 MiB); a rank's slice of a buck
 
 **NS work** of an ``m x n`` matrix (``m <= n``, torch transposes tall ones): per iteration ``X X^T``
 (``2 m^2 n`` FLOPs), ``b G + c G G`` (``2 m^3``) and ``a X + (..) X`` (``2 m^2 n``), times ``ns_steps``
-= 5. **Owners**: fused_zero's own assignment (pipeline/whole_matrix.owners), longest-processing-time
+= 5. **Owners**: fused_zero's own assignment (pipeline/updating/whole_matrix.owners), longest-processing-time
 first: matrices by NS work, largest first, each to the rank with the least work so far; every rank
 computes the same assignment (ties to the lowest rank).
 
@@ -33,7 +33,7 @@ import math
 import numpy as np
 from scale_model import WORLDS, _gb, build, ddp_bucket_params, run
 
-from fused_zero.pipeline.whole_matrix import owners  # the assignment fused_zero.Muon makes
+from fused_zero.pipeline.updating.whole_matrix import owners  # the assignment fused_zero.Muon makes
 from fused_zero.update import muon
 
 NS_STEPS = 5

@@ -1,5 +1,5 @@
 """What fused_zero holds, launches and sends per rank and step at 8 to 8192 ranks, computed from the layout
-code itself (fused_zero.pipeline.layout.BucketLayout) and DDP's own bucketing, for real model shapes built
+code itself (fused_zero.pipeline.buckets.layout.BucketLayout) and DDP's own bucketing, for real model shapes built
 on the meta device (no memory, no GPU):
 
     python bench/scale_model.py                 # the markdown tables of docs/performance-scale.md
@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fused_zero.pipeline.layout import BucketLayout
+from fused_zero.pipeline.buckets.layout import BucketLayout
 
 GPUS_PER_NODE = 8
 BUCKET_CAP = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25

@@ -1,5 +1,5 @@
 """``step()`` eagerly against ``step()`` replayed from a CUDA graph (``capturable=True``,
-pipeline/step_graph.py): the host's time per ``step()`` and the iteration time, where the host's
+pipeline/step_end/step_graph.py): the host's time per ``step()`` and the iteration time, where the host's
 launches are most of a step's cost.
 
 Models (one NCCL rank on GPU 0; every system built on the same weights and batches):

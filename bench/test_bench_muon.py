@@ -7,9 +7,9 @@ iterations in the ranks (forward, backward, both ``step()``, ``zero_grad``; on C
 one system after the other. Per system and rank they also count, over the timed iterations:
 
 - NS FLOPs per rank and step: torch's FlopCounterMode around torch.optim.Muon's ``step()`` (every
-  matrix, on every rank); fused_zero's owners' own count (pipeline/whole_matrix.py), which
+  matrix, on every rank); fused_zero's owners' own count (pipeline/updating/whole_matrix.py), which
   tests/pipeline/test_muon.py checks against FlopCounterMode;
-- bytes sent per rank and step by fused_zero's collectives (pipeline/collectives.py wrapped), under
+- bytes sent per rank and step by fused_zero's collectives (pipeline/comm/collectives.py wrapped), under
   the ring model NCCL's algorithms follow: reduce-scatter and all-gather ``(W-1)/W`` of the whole
   buffer, all-reduce twice that, all-to-all what leaves the rank; and the same count for
   ``fused_zero.AdamW`` over every parameter (ZeRO-1's bytes for the same model: the baseline the
@@ -54,7 +54,7 @@ class _Bytes:
     """Bytes each collective of fused_zero's sends from this rank (ring model), while installed."""
 
     def __init__(self, world: int):
-        from fused_zero.pipeline import collectives
+        from fused_zero.pipeline.comm import collectives
 
         self.mod, self.world, self.total, self.real = collectives, world, 0.0, {}
         share = (world - 1) / world

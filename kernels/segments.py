@@ -191,7 +191,7 @@ def _split_long_rows(host: torch.Tensor) -> torch.Tensor:
     parameter's element 0, not from the row's start. Two layouts of one parameter then cut it into
     the same rows wherever neither has a shard edge (or another piece boundary) and its vector phase is
     the same, and the 8-bit blocks, one per row, stay the same blocks: a reshard re-encodes only the
-    blocks an edge cuts (fused_zero/pipeline/registry.py). A row gains at most one piece by it.
+    blocks an edge cuts (fused_zero/pipeline/buckets/registry.py). A row gains at most one piece by it.
     """
     if host.shape[0] == 0:
         return host.contiguous()

@@ -224,7 +224,7 @@ def compress_hook(dtype: torch.dtype):
 def forced_plan(plan: str):
     """``plan="nccl"``: build the optimizer with NCCL's reduction plan (reduce-scatter in the shard group,
     all-reduce across replicas) on gloo, whose own plan is one all-reduce (collectives.py)."""
-    from fused_zero.pipeline import collectives
+    from fused_zero.pipeline.comm import collectives
 
     real = collectives.all_reduce_replaces_reduce_scatter
     if plan == "nccl":
@@ -284,7 +284,7 @@ def held_gathers():
     """Make fused_zero's all-gathers land only at ``wait()``: the collective runs into a staging
     buffer, so until the wait the parameters hold stale values outside this rank's own slice, and a
     forward that reads them without waiting computes a wrong loss instead of winning a race."""
-    from fused_zero.pipeline import collectives
+    from fused_zero.pipeline.comm import collectives
 
     real = collectives.all_gather
 

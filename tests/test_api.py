@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 from fused_zero.demo.spawn import _free_port
-from fused_zero.pipeline.layout import alignment
+from fused_zero.pipeline.buckets.layout import alignment
 
 PLAIN_IN_GROUP = "plain .*OddNet while a process group of 2 ranks .*DistributedDataParallel\\(model\\)"
 
@@ -187,7 +187,7 @@ def test_a_second_process_group_in_one_process_trains():
 def dropped_optimizer_is_freed(rank, world):
     """An optimizer and its DDP module, trained and dropped, are freed with their process groups:
     nothing but the comm hook's state refers to the engine from DDP's C++ reducer, and that weakly
-    (pipeline/hooks.py). Returns whether each was freed, and the gloo loop threads left beyond the
+    (pipeline/reducing/hooks.py). Returns whether each was freed, and the gloo loop threads left beyond the
     default group's. (A checkpoint server's thread keeps the optimizer it served last until its next
     request or ``server.stop_all``.)"""
     import gc

@@ -17,7 +17,7 @@ from distributed import run_ranks
 import fused_zero
 from fused_zero.optimizer.twins import optimizer_table
 from fused_zero.options import OPTIONS, ShardingOptions, option_table
-from fused_zero.pipeline.layout import BucketLayout
+from fused_zero.pipeline.buckets.layout import BucketLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT = 12288

@@ -20,7 +20,7 @@ own order (``i``) and its state names in each shard.
 The dict is assembled on the calling rank, one slice at a time (``StateDictBuilder``): its own slices and
 the replicated tail from its regions, every other rank's slices as that rank's server sends them
 (serving.py). The layout module says where each element lives; this module only walks its pieces. With
-shard groups (pipeline/topology.py) every shard group holds the whole state: a dict is built from the
+shard groups (pipeline/buckets/topology.py) every shard group holds the whole state: a dict is built from the
 requester's own shard group, and a load fills each rank's region from the dict with no collective,
 whatever the sharding it was saved at.
 """
@@ -32,8 +32,8 @@ import zlib
 
 import torch
 
-from ..pipeline.layout import REPLICATED
-from ..pipeline.strides import strided_view
+from ..pipeline.buckets.layout import REPLICATED
+from ..pipeline.buckets.strides import strided_view
 from .checks import MASTER_KEY
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..pipeline import collectives
+from ..pipeline.comm import collectives
 
 MASTER_KEY = "fp32_master"
 """The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.

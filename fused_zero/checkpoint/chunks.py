@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from ..pipeline.layout import REPLICATED
+from ..pipeline.buckets.layout import REPLICATED
 from .checks import StateDictError
 
 STORED = {torch.uint8: "8bit", torch.bfloat16: "bf16"}

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..options import ShardingOptions, member_params
-from ..pipeline import rebuild
-from ..pipeline.strides import memory_order
-from ..pipeline.topology import world_and_rank
+from ..pipeline.buckets import rebuild
+from ..pipeline.buckets.strides import memory_order
+from ..pipeline.buckets.topology import world_and_rank
 from . import checks
 from .canonical import packed_groups, param_index
 from .checks import MASTER_KEY, StateDictError

@@ -115,7 +115,7 @@ class CheckpointPeers:
         topo = e.topology
         if to is not None and to != e.rank:
             if topo.position(to)[0] != topo.replica:
-                return None  # rank ``to`` builds its dict from its own shard group (pipeline/topology.py)
+                return None  # rank ``to`` builds its dict from its own shard group (pipeline/buckets/topology.py)
             self._await_served(to)
             return None
         k = next(self.server.requests)

@@ -2,7 +2,7 @@
 checkpoint loads at any world size or bucket layout.
 
 Every parameter's state tensor is one DTensor over the parameter's flattened elements (in its memory
-order: a channels_last weight flattens as it lies in memory, see pipeline/strides.py; the checkpoint
+order: a channels_last weight flattens as it lies in memory, see pipeline/buckets/strides.py; the checkpoint
 records that order, and a load into another memory format is refused), keyed by torch.optim's
 parameter index (``state.<i>.exp_avg``, ``state.<i>.fp32_master``, ...). Its chunks are the runs of the
 parameter inside each rank's slice (layout.owners), and the replicated tail belongs to rank 0, so the
@@ -25,7 +25,7 @@ same keys, shapes and chunks on disk, so a format-1 checkpoint loads as it is; 3
 as stored (below), and reads 1 and 2, whose moments are all fp32. A format this version does not know
 is refused, naming it.
 
-With shard groups (pipeline/topology.py) each DTensor lives on this rank's shard group (its mesh), which
+With shard groups (pipeline/buckets/topology.py) each DTensor lives on this rank's shard group (its mesh), which
 tiles the parameter by itself; the replicas write the same chunks (the same offsets), which DCP's save
 planner keeps once (``dedup_save_plans``), and each rank of every replica reads its own runs on load.
 So a checkpoint saved at one sharding (2 replicas of 2, say) loads at any other (4 x 1, 1 x 4).
@@ -56,8 +56,9 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..pipeline import collectives, rebuild
-from ..pipeline.strides import memory_order
+from ..pipeline.buckets import rebuild
+from ..pipeline.buckets.strides import memory_order
+from ..pipeline.comm import collectives
 from ..update.formats import DTYPES, SIGNED, decode
 from . import canonical, checks, loading
 from .checks import MASTER_KEY, StateDictError

@@ -11,7 +11,7 @@ or the arenas' packing, gives the shards new ones on the host; the old ones must
 to the allocator's pool to be reused), and its layout fingerprint.
 
 **How far ahead.** As far as the streams let it: the step path has no host wait
-(pipeline/step_counts.py), so nothing bounds the versions a server's rank may have published past the
+(pipeline/updating/step_counts.py), so nothing bounds the versions a server's rank may have published past the
 one a request asks for. A version is kept until no request can still want it: once the events of a
 later version published by ``step()`` have passed, that step's updates have run, after its reductions,
 which every member of the shard group joined, each only after its last ``state_dict()`` of an earlier

@@ -63,7 +63,7 @@ class SGD(_ShardedOptimizer):
 class Muon(_ShardedOptimizer):
     """torch.optim.Muon over 2-D parameters (the hidden matrices; give the embeddings, head, norms and
     biases to an AdamW over the same DDP module). Each matrix is orthogonalized once per step, on the
-    rank of its shard group that owns it (pipeline/whole_matrix.py); the momentum stays sharded."""
+    rank of its shard group that owns it (pipeline/updating/whole_matrix.py); the momentum stays sharded."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,

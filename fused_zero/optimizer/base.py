@@ -76,7 +76,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     """
 
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
-    # param.grad itself: the kernel unscales (see pipeline/amp.py).
+    # param.grad itself: the kernel unscales (see pipeline/step_end/amp.py).
     _step_supports_amp_scaling = True
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
@@ -88,7 +88,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 "capturable=True replays step()'s updates, checks and all-gathers from a CUDA graph, which needs "
                 f"them in step(): pass overlap=\"step\" (got overlap={options.get('overlap', 'auto')!r}, where "
                 "they run inside the backward); the step has no host synchronization in every mode without it")
-        self._capturable = bool(capturable)  # the engine refuses what a graph cannot hold (pipeline/step_graph.py)
+        # the engine refuses what a graph cannot hold (pipeline/step_end/step_graph.py)
+        self._capturable = bool(capturable)
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused update is not part of the autograd "
                              "graph; leave differentiable=False")
@@ -161,7 +162,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def _reads_grad_at_step(self) -> bool:
         """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
         grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
-        unscaling) are honored as torch.optim honors them (pipeline/step_policy.py)."""
+        unscaling) are honored as torch.optim honors them (pipeline/step_end/step_policy.py)."""
         e = self._attached_engine("_reads_grad_at_step")
         return e.overlap == "step" and e.grad_reduce == "all_reduce"
 
@@ -193,7 +194,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """This optimizer's step: with overlap="step" its update of every bucket runs now, from its
         gradients as they are (the other modes ran it during the backward); it skips on its own
         gradients' overflow. With param_sync="step" it returns once its parameters hold their new values
-        on every rank (pipeline/stepping.py; a bucket shared with another optimizer: packed_gather.py)."""
+        on every rank (pipeline/step_end/stepping.py; a bucket shared with another optimizer: packed_gather.py)."""
         engine = self._attached_engine("step()")
         loss = None
         if closure is not None:
@@ -206,7 +207,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         iteration, me = engine.iteration, self._member.index
         before = me in iteration.stepped
         try:
-            # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/amp.py); grad_scale is
+            # torch.amp.GradScaler.step() sets both attributes for the call (pipeline/step_end/amp.py); grad_scale is
             # None once the user has called scaler.unscale_(opt).
             engine.step(self._member, via_scaler=hasattr(self, "found_inf"),
                         grad_scale=getattr(self, "grad_scale", None))
@@ -219,7 +220,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """torch.optim's. With ``set_to_none=False`` the gradients are zeroed in place: with
         ``gradient_as_bucket_view`` they are views of DDP's buckets, whose version counter every gradient
         of the bucket shares, so the other optimizers over the module are told that this change is not
-        an edit of their gradients (pipeline/grad_watch.py)."""
+        an edit of their gradients (pipeline/reducing/grad_watch.py)."""
         engine = self._engine
         if engine is None or set_to_none:
             super().zero_grad(set_to_none)
@@ -245,7 +246,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds for the optimizer, next to what torch.optim would hold.
 
         ``state``: master weights and moments of this rank's slice of each bucket plus its small
-        replicated tail (see pipeline/layout.py): 1/W of the model and nothing else, since gradients are
+        replicated tail (see pipeline/buckets/layout.py): 1/W of the model and nothing else, since gradients are
         reduced in place in DDP's buckets; ``reference_state``: torch.optim's fp32 state for the same
         parameters (plus an fp32 master copy when this optimizer keeps master weights).
         """

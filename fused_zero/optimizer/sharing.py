@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import loading
 from ..options import ddp_params, member_params, param_name
-from ..pipeline import hooks
 from ..pipeline.engine import Engine
 from ..pipeline.local import OVERRIDES, LocalModule, refuse_plain_module_in_group
+from ..pipeline.reducing import hooks
 
 PER_OPTIMIZER = ("state_format",)
 """Options each optimizer keeps for itself (the default of its param groups); the others are the module's."""

@@ -21,24 +21,25 @@ import numpy as np
 import torch
 
 from ..options import NO_MEMBER, ShardingOptions, collect_params, group_state_formats
-from . import hooks, rebuild
-from .amp import ScalerLink
-from .arena import SingleLaunch
+from .buckets import rebuild
+from .buckets.arena import SingleLaunch
+from .buckets.registry import ShardRegistry
+from .buckets.shard import BucketShard
+from .buckets.topology import Topology
+from .comm.profiling import range_push
+from .comm.scratch import Scratch
+from .comm.streams import SideStream
 from .local import LocalModule
 from .members import Member
-from .profiling import range_push
-from .reduction import Reduced, Reduction
-from .registry import ShardRegistry
-from .scratch import Scratch
-from .shard import BucketShard
-from .step_counts import StepCounts
-from .step_graph import StepGraph, check_capturable
-from .step_policy import StepPolicy
-from .stepping import Stepping
-from .streams import SideStream
-from .topology import Topology
-from .updates import Updates
-from .warmup import compile_kernels
+from .reducing import hooks
+from .reducing.reduction import Reduced, Reduction
+from .step_end.amp import ScalerLink
+from .step_end.step_graph import StepGraph, check_capturable
+from .step_end.step_policy import StepPolicy
+from .step_end.stepping import Stepping
+from .updating.step_counts import StepCounts
+from .updating.updates import Updates
+from .updating.warmup import compile_kernels
 
 
 @dataclass

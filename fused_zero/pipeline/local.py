@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .strides import strided_view
+from .buckets.strides import strided_view
 
 OVERRIDES = {"overlap": "step", "grad_reduce": "all_reduce"}
 """The modes a local module runs in: the update reads ``param.grad`` at ``step()``; at world size 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .amp import ScalerLink
+from .step_end.amp import ScalerLink
 
 
 @dataclass

@@ -8,7 +8,7 @@ where each rank holds only its slice; the fp32 master weights, all-gathered wher
 bf16/fp16) and runs ``torch.optim._adafactor.adafactor`` on them, as DDP + torch.optim.Adafactor does
 on every rank. So the update is torch's, bit for bit; the factored statistics (``row_var``,
 ``col_var``; ``variance`` for a vector), a few numbers per row and column, are kept on every rank
-beside the step counts; the fp32 masters stay sharded (1/W). pipeline/whole_params.py drives it.
+beside the step counts; the fp32 masters stay sharded (1/W). pipeline/updating/whole_params.py drives it.
 
 Why this path (docs/optimizers.md, "Adafactor"): the alternatives move fewer bytes but give up the bits
 (row and column sums reduced across the slices' ranks, m + n words per matrix and step, in another
@@ -108,7 +108,8 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
                              "weights (master_weights=True) for low-precision parameters instead")
 
     def update(self, backend, rows, segments, coefs, args) -> None:
-        raise RuntimeError("Adafactor updates whole parameters in a phase of its own (pipeline/whole_params.py)")
+        raise RuntimeError("Adafactor updates whole parameters in a phase of its own "
+                           "(pipeline/updating/whole_params.py)")
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], pids: list[int], steps: list[float],
              group: dict) -> None:

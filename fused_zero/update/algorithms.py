@@ -41,10 +41,10 @@ class Algorithm:
     (what the host knows without the device: the step-dependent columns hold placeholders), then
     ``fill_steps`` on the device, from the step counts kept there and the ``step_inputs`` uploaded
     before (step_columns.py). The fill reads device memory only, so a CUDA graph can hold it
-    (pipeline/step_graph.py)."""
+    (pipeline/step_end/step_graph.py)."""
 
     uniform_keys: tuple[str, ...] = ()  # flags that are compile-time constants of the kernel
-    phased = False  # updates in phases with collectives between (Muon: pipeline/whole_matrix.py)
+    phased = False  # updates in phases with collectives between (Muon: pipeline/updating/whole_matrix.py)
 
     def __init__(self, param_groups: list[dict]):
         self.refresh(param_groups)
@@ -66,14 +66,14 @@ class Algorithm:
     def step_inputs(self, groups: list[dict], group_idx: np.ndarray, bound: int, group: torch.Tensor, upload,
                     scratch) -> tuple:
         """What the step columns read besides the counts, on the device: uploaded now (``upload(host,
-        out=)``, pipeline/streams.py), from each parameter's param group (``group_idx`` on the host,
+        out=)``, pipeline/comm/streams.py), from each parameter's param group (``group_idx`` on the host,
         ``group`` on the device) and the counts' host ``bound``; ``scratch`` holds what is uploaded
-        every step (pipeline/scratch.py)."""
+        every step (pipeline/comm/scratch.py)."""
         return ()
 
     def fill_steps(self, table: torch.Tensor, inputs: tuple, counts, sr_seed: int | None, scratch) -> None:
         """Write ``table``'s step-dependent columns on the device (queued where the caller is: the side
-        stream), from ``counts`` (pipeline.step_counts.StepCounts) and ``inputs`` (``step_inputs``);
+        stream), from ``counts`` (pipeline.updating.step_counts.StepCounts) and ``inputs`` (``step_inputs``);
         ``sr_seed``: stochastic rounding's seed, or None without it."""
         after = counts.after(scratch)
         self._fill(table, inputs, after, scratch)

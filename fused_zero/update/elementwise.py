@@ -12,7 +12,7 @@ the param group's ``foreach`` (None: single-tensor on the CPU, ``_foreach`` ops 
 CUDA, one call per param group and launch).
 
 What torch keeps per parameter beside the tensors is kept here, replicated on every rank:
-* ``step``: the engine's device counts (pipeline/step_counts.py), read in the coefficient table's
+* ``step``: the engine's device counts (pipeline/updating/step_counts.py), read in the coefficient table's
   ``step`` column: a fresh float32 tensor per call, as torch.optim keeps it, which the function adds one
   to and which is then dropped (the engine counts).
 * the 0-dim scalars (``scalars``), one tensor per parameter on the update's device. A rank whose slice

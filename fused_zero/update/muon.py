@@ -1,6 +1,6 @@
 """torch.optim.Muon's update, cut where the sharding cuts it: the elementwise halves run on any piece of
 a matrix (the momentum before Newton-Schulz, the weight decay and the step after), the Newton-Schulz
-orthogonalization on the whole matrix, once, on the rank that owns it (pipeline/whole_matrix.py
+orthogonalization on the whole matrix, once, on the rank that owns it (pipeline/updating/whole_matrix.py
 brings the pieces there and the result back).
 
 Every op is the one torch.optim.Muon calls, with the same Python scalars and dtypes: elementwise ops
@@ -27,7 +27,7 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (
 class MuonAlgorithm(Algorithm):
     """Muon over 2-D parameters. Its coefficient table is SGD's layout (the norm pass reads only the
     ``active`` and ``grad_div`` columns); its update runs in phases with collectives between
-    (``phased``), driven by pipeline/whole_matrix.py with the param groups' host values."""
+    (``phased``), driven by pipeline/updating/whole_matrix.py with the param groups' host values."""
 
     kind = "muon"
     phased = True
@@ -86,7 +86,7 @@ class MuonAlgorithm(Algorithm):
         """Nothing to compile: the phases are torch ops."""
 
     def update(self, backend, rows, segments, coefs, args) -> None:
-        raise RuntimeError("Muon updates in phases (pipeline/whole_matrix.py), not in one launch")
+        raise RuntimeError("Muon updates in phases (pipeline/updating/whole_matrix.py), not in one launch")
 
 
 def gradient(grad: torch.Tensor, grad_div: float, inv_scale: torch.Tensor | None,

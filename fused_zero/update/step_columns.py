@@ -1,5 +1,5 @@
 """The coefficient table's columns that depend on a parameter's step count, written on the device from
-the device's counts (pipeline/step_counts.py), so that building a table never waits for the device.
+the device's counts (pipeline/updating/step_counts.py), so that building a table never waits for the device.
 
 They must be torch.optim's bit for bit. torch computes Adam's bias corrections on the host in float64
 (``1 - beta1 ** step``, ``(1 - beta2 ** step) ** 0.5``, ``lr / bias_correction1``) and rounds the
@@ -72,7 +72,7 @@ class BiasTables:
 
     def get(self, groups: list[dict], bound: int, group: torch.Tensor, upload, first: int = 32) -> BiasTables:
         """``first``: the length a new table starts at (where a CUDA graph reads it, a growth is a
-        recapture: pipeline/step_graph.py asks for 65,536, which holds 0.999's 37,412 steps)."""
+        recapture: pipeline/step_end/step_graph.py asks for 65,536, which holds 0.999's 37,412 steps)."""
         betas = [tuple(float(b) for b in g["betas"]) for g in groups]
         if betas == self.betas and self.length >= min(self.full, bound):
             return self
@@ -123,7 +123,7 @@ def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, bo
     """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``neg_lr``: ``-lr`` per parameter,
     float64: ``-lr / bc1`` is ``-(lr / bc1)`` in IEEE arithmetic; ``both``, ``base``, ``length``: a
     BiasTables'); the copies into the float32 columns round to nearest, as numpy's ``astype`` did.
-    Intermediates in ``scratch`` (pipeline/scratch.py)."""
+    Intermediates in ``scratch`` (pipeline/comm/scratch.py)."""
     n = after.shape[0]
     at = torch.clamp(after, max=length, out=scratch.take("bias_at", (n,), torch.int64)).add_(base)
     both = torch.index_select(both, 0, at, out=scratch.take("bias", (n, 2), torch.float64))

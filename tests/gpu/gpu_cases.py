@@ -398,7 +398,7 @@ def _no_host_sync(rank, world, device_index):
     the backward and the step run under torch's sync debug mode set to "error", so any host
     synchronization on the step path (a .item(), a blocking copy) fails; and the event, stream and
     device waits that mode does not see are counted from the first iteration on: there must be none
-    (the step counts live on the device, pipeline/step_counts.py). With find_unused_parameters DDP's
+    (the step counts live on the device, pipeline/updating/step_counts.py). With find_unused_parameters DDP's
     own reducer reads its used map on the host each backward, so there only the counted waits are
     checked."""
     from scenarios import VOCAB, OddNet, batch
@@ -490,7 +490,7 @@ _GLOO_CUDA_UNSUPPORTED = ("unsupported", "not supported", "no backend type assoc
 def _gloo_cuda_probe(world) -> str | None:
     """None when this torch's gloo runs every collective fused_zero issues on CUDA tensors; else the skip
     reason, naming the collective and gloo's message. Any other error is raised: it is a failure."""
-    from fused_zero.pipeline import collectives
+    from fused_zero.pipeline.comm import collectives
 
     dev = torch.device("cuda", 0)
     t = torch.ones(4 * world, device=dev)
@@ -892,7 +892,7 @@ def case_torch_optimizers():
 def _late_lr_on_rank_zero(rank, world, overlap):
     """A scheduler stepped under ``if rank == 0`` between the backward and ``step()`` at step 3, in a mode
     whose update ran in the backward: rank 0 refuses in its step 3; rank 1, which learns it from the
-    flags all-reduced on the relay stream (pipeline/refusals.py), raises RefusedOnAnotherRank by its
+    flags all-reduced on the relay stream (pipeline/step_end/refusals.py), raises RefusedOnAnotherRank by its
     step 4 instead of waiting for rank 0 in a collective. Returns where this rank raised."""
     from scenarios import VOCAB, OddNet, batch
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -25,7 +25,7 @@ from fused_zero.kernels import (
     sgd_step,
     vector_elements,
 )
-from fused_zero.pipeline.layout import BucketLayout, alignment
+from fused_zero.pipeline.buckets.layout import BucketLayout, alignment
 
 SIZES = (1, 7, 1000, 4099, 33, 2050)
 GROUP_OF = (0, 1, 0, 1, 1, 0)

@@ -1,4 +1,4 @@
-"""Which backend runs a device's tensors (pipeline/collectives.py): every backend-dependent choice asks per
+"""Which backend runs a device's tensors (pipeline/comm/collectives.py): every backend-dependent choice asks per
 device, so it follows the backend that actually runs that device's tensors.
 
 - ``test_choices_per_device_on_a_gpu_machine``: what a process group reports on a GPU machine after
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from scenarios import Case, run_case
 
-from fused_zero.pipeline import collectives
+from fused_zero.pipeline.comm import collectives
 from fused_zero.testing.streamcheck import backends
 
 CUDA, CPU = torch.device("cuda", 1), torch.device("cpu")

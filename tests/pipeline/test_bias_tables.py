@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import fused_zero
-from fused_zero.pipeline.streams import _PinnedRing
+from fused_zero.pipeline.comm.streams import _PinnedRing
 from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.update.step_columns import UPLOAD_ROWS, BiasTables, saturation
 

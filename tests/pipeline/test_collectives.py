@@ -1,11 +1,11 @@
-"""The flat-tensor collectives under this torch's names (pipeline/collectives.py): torch 2.13 has
+"""The flat-tensor collectives under this torch's names (pipeline/comm/collectives.py): torch 2.13 has
 ``reduce_scatter_single`` / ``all_gather_single``, 2.11 only ``reduce_scatter_tensor`` /
 ``all_gather_into_tensor``. .ci/run runs the distributed tests on both, so both sides run; this says
 which one this torch takes."""
 
 import torch.distributed as dist
 
-from fused_zero.pipeline import collectives
+from fused_zero.pipeline.comm import collectives
 
 
 def test_the_names_this_torch_has():

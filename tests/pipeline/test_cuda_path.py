@@ -21,12 +21,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 import fused_zero.pipeline.engine
-import fused_zero.pipeline.norm_check
-import fused_zero.pipeline.warmup
+import fused_zero.pipeline.updating.norm_check
+import fused_zero.pipeline.updating.warmup
 from fused_zero.kernels import Segments, adam_coefficients, adam_step
+from fused_zero.pipeline.comm.streams import SideStream
 from fused_zero.pipeline.engine import Engine
-from fused_zero.pipeline.streams import SideStream
-from fused_zero.pipeline.warmup import compile_kernels
+from fused_zero.pipeline.updating.warmup import compile_kernels
 
 OVERLAPS = ("bucket", "backward", "step")
 
@@ -143,8 +143,8 @@ def check_every_launch_under_the_guard(rank, world):
         engine = opt._engine
         engine.side = GuardRecorder(engine.device)
         # the update is the algorithm's; the norm pass a function the check and the warm-up call
-        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.norm_check, "grad_sumsq"),
-                  (fused_zero.pipeline.warmup, "grad_sumsq"))
+        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.updating.norm_check, "grad_sumsq"),
+                  (fused_zero.pipeline.updating.warmup, "grad_sumsq"))
         reals = [getattr(owner, name) for owner, name in owners]
         for (owner, name), real in zip(owners, reals):
 
@@ -355,7 +355,7 @@ def test_pinned_uploads_never_wait_on_the_host():
     """8.2: with every earlier copy still in flight (a backward of many same-shaped buckets), the
     pinned ring adds a buffer instead of waiting for the oldest; once copies complete, it reuses them
     and shrinks back to its bound."""
-    from fused_zero.pipeline.streams import _PinnedRing
+    from fused_zero.pipeline.comm.streams import _PinnedRing
 
     events = []
 

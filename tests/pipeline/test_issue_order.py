@@ -25,7 +25,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from test_stream_order import train
 
-from fused_zero.pipeline import collectives
+from fused_zero.pipeline.comm import collectives
 from fused_zero.testing.streamcheck import StreamChecker
 
 REDUCTION = os.path.join("fused_zero", "pipeline", "reduction.py")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fused_zero.kernels import VEC
-from fused_zero.pipeline.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan, vector_share
+from fused_zero.pipeline.buckets.layout import ALIGN, REPLICATED, BucketLayout, alignment, reshard_plan, vector_share
 
 
 def layout(numels, world, rank=0, order=None):

@@ -1,6 +1,6 @@
 """Loops that are legal with DDP + torch.optim and that an update run inside the backward cannot follow
 as written: torch.optim's result, or a clear error on every rank before a wrong update stays (see
-pipeline/step_policy.py). On 2 ranks, in every overlap mode x both reductions, against DDP + torch.optim:
+pipeline/step_end/step_policy.py). On 2 ranks, in every overlap mode x both reductions, against DDP + torch.optim:
 
 - gradient accumulation that syncs every micro-batch (two synced backwards per ``step()``, no
   ``no_sync()``): accumulated by overlap="step" with grad_reduce="all_reduce" (with and without

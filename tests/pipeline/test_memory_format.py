@@ -2,7 +2,7 @@
 DDP + torch.optim does, in every overlap mode x both reductions, with and without
 ``find_unused_parameters`` (where DDP never rebuilds its buckets, so the gradient keeps the layout it
 had at construction), and its weights stay channels_last. DDP lays such a gradient into its bucket
-with the parameter's strides (pipeline/strides.py); reading it in row-major order updated every element
+with the parameter's strides (pipeline/buckets/strides.py); reading it in row-major order updated every element
 with another element's gradient (off by a whole step after one step).
 
 Also: the canonical state dict holds the moments in the parameter's shape and strides, equal to

@@ -29,7 +29,7 @@ from scenarios import Case, OddNet, run_cases
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.pipeline import collectives
+from fused_zero.pipeline.comm import collectives
 
 TINY, TWO, ONE = 0.0001, 0.0015, 25.0
 OVERLAPS = ("bucket", "backward", "step")

@@ -7,7 +7,7 @@ import torch
 from distributed import run_ranks
 from scenarios import Case, _compare, _reference_step, build, loss_of
 
-from fused_zero.pipeline.arena import BucketGrads
+from fused_zero.pipeline.buckets.arena import BucketGrads
 
 TINY = 0.0001  # one bucket per parameter or so
 

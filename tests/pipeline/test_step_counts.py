@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from fused_zero.kernels import adam_coefficients, sgd_coefficients, sr_key
-from fused_zero.pipeline.scratch import Scratch
+from fused_zero.pipeline.comm.scratch import Scratch
 from fused_zero.update.algorithms import AdamFamily, SGDAlgorithm
 from fused_zero.update.step_columns import saturation
 

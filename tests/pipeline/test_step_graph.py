@@ -1,5 +1,5 @@
 """``capturable=True``: ``step()``'s device work captured once in a CUDA graph and replayed
-(pipeline/step_graph.py), run on the CPU under the stream-order checker, whose graph model
+(pipeline/step_end/step_graph.py), run on the CPU under the stream-order checker, whose graph model
 (testing/streamcheck/graphs.py) runs the capture's recorded operations on replay and reports what a real capture
 would refuse or lose: a host synchronization, an allocation, work outside the capture, a wait for work
 from outside it, a stream not joined back, host work.

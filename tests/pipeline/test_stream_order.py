@@ -51,12 +51,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 from fused_zero.checkpoint import serving
-from fused_zero.pipeline import collectives
 from fused_zero.pipeline import engine as engine_module
-from fused_zero.pipeline import hooks as hooks_module
-from fused_zero.pipeline import streams as streams_module
-from fused_zero.pipeline.reduction import Reduction
-from fused_zero.pipeline.updates import Updates
+from fused_zero.pipeline.comm import collectives
+from fused_zero.pipeline.comm import streams as streams_module
+from fused_zero.pipeline.reducing import hooks as hooks_module
+from fused_zero.pipeline.reducing.reduction import Reduction
+from fused_zero.pipeline.updating.updates import Updates
 from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.testing.streamcheck.backends import patched
 from fused_zero.update import formats
@@ -600,7 +600,7 @@ def check_host_syncs(rank, world):
     Then the same with the row tables copied the way they were (a blocking ``.to(device)``), and with
     the step counts waited for as they were. Returns each run's host synchronizations."""
     from fused_zero.kernels import Segments
-    from fused_zero.pipeline.step_counts import StepCounts
+    from fused_zero.pipeline.updating.step_counts import StepCounts
 
     cfg = {**BASE, "param_sync": "step", "backend": "triton"}
     out = {}

@@ -1,6 +1,6 @@
 """fused_zero's twins of torch.optim's elementwise optimizers (Adagrad, Adadelta, Adamax, ASGD, NAdam,
 RAdam, RMSprop, Rprop: optimizer/twins.py) and of Adafactor (whole parameters on every rank:
-pipeline/whole_params.py) against DDP + torch.optim.<Name>, single-tensor, on the same
+pipeline/updating/whole_params.py) against DDP + torch.optim.<Name>, single-tensor, on the same
 data (scenarios.py): every parameter of every rank after every step, two param groups and an lr
 schedule, in every overlap x grad_reduce mode; at the end each one's state dict, tensor for tensor.
 Each optimizer runs with the options that change its update (scenarios.DEFAULT_HPARAMS: weight decay,

@@ -1,5 +1,5 @@
 """What a process group reports about its backends on a GPU machine, stubbed on the CPU, so that the
-code's own backend choices (pipeline/collectives.py: the reduction plan, the reduce-scatter's future,
+code's own backend choices (pipeline/comm/collectives.py: the reduction plan, the reduce-scatter's future,
 the gather plan, which dtypes sum) run as they would there instead of being patched to NCCL's answers.
 
 Only the reports are stubbed: ``dist.get_backend`` (one name, no device) and ``dist.get_backend_config``

@@ -3,7 +3,7 @@ hazard and every host synchronization.
 
 Inside ``with StreamChecker() as checker:`` an optimizer built on CPU parameters gets a side stream
 made of stand-ins (device.py), so the engine takes its CUDA code path: updates queued on the side
-stream, stream waits instead of host waits, pinned uploads. Its collectives (pipeline/collectives.py)
+stream, stream waits instead of host waits, pinned uploads. Its collectives (pipeline/comm/collectives.py)
 are issued on a communication stream per process group, after the issuing stream, and their Works order
 whoever waits for them; its update and norm launches are single operations on the stream they are
 queued on, reading and writing exactly their rows' elements; every other tensor operation, the model's
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ... import kernels
-from ...pipeline import collectives, norm_check, streams, warmup
+from ...pipeline.comm import collectives, streams
+from ...pipeline.updating import norm_check, warmup
 from ...update.algorithms import Algorithm
 from . import backends, standins
 from .clocks import Clocks, Hazard

@@ -1,6 +1,6 @@
 """Stand-ins for the CUDA calls the pipeline makes, recording their ordering instead of making it.
 
-``ModeledStreams`` has the interface of ``pipeline.streams.CudaStreams``: the side stream's code runs
+``ModeledStreams`` has the interface of ``pipeline.comm.streams.CudaStreams``: the side stream's code runs
 unchanged on top of it, with CPU tensors. ``ModeledWork`` wraps a real gloo Work with NCCL's stream
 semantics: the collective is queued on its process group's communication stream after the stream that
 issued it, and ``wait()`` orders the *calling* stream after it (a stream wait, not a host wait), as
@@ -98,7 +98,7 @@ def _deadlock(checker, why: str) -> None:
 
 
 class ModeledStreams:
-    """``pipeline.streams.CudaStreams`` for a CPU device, under a ``StreamChecker``."""
+    """``pipeline.comm.streams.CudaStreams`` for a CPU device, under a ``StreamChecker``."""
 
     asynchronous = True
 

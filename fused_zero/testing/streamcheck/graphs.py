@@ -1,5 +1,5 @@
 """A CUDA graph's capture and replay, modeled on the CPU (``ModeledStreams.graph()``), so that
-``capturable=True``'s path (pipeline/step_graph.py) runs under the stream-order checker.
+``capturable=True``'s path (pipeline/step_end/step_graph.py) runs under the stream-order checker.
 
 A capture on CUDA records work without running it, and a replay runs exactly what was recorded: the
 same kernels on the same addresses with the same scalar arguments. What breaks a graph is therefore
@@ -95,7 +95,7 @@ class Capture:
 
 
 class ModeledGraph:
-    """``pipeline.streams.CudaGraph`` for the checker. Attributes: ``capture_of`` (the last Capture)."""
+    """``pipeline.comm.streams.CudaGraph`` for the checker. Attributes: ``capture_of`` (the last Capture)."""
 
     def __init__(self, checker):
         self.checker = checker

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...pipeline import collectives
+from ...pipeline.comm import collectives
 from .device import ModeledWork
 from .graphs import replayed
 

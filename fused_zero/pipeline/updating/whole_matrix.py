@@ -32,11 +32,11 @@ import heapq
 
 import torch
 
-from ..update import muon
-from . import collectives
-from .layout import REPLICATED
-from .profiling import range_push
-from .strides import strided_view
+from ...update import muon
+from ..buckets.layout import REPLICATED
+from ..buckets.strides import strided_view
+from ..comm import collectives
+from ..comm.profiling import range_push
 
 
 def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:

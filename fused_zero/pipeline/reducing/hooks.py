@@ -22,7 +22,7 @@ import weakref
 
 from torch import nn
 
-from .profiling import range_push
+from ..comm.profiling import range_push
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 """Modules whose forward only calls their children: they wait for their own parameters only."""
@@ -136,7 +136,7 @@ class FinalizeWatch:
     back into ``param.grad`` in ``ddp.finalize_backward()``, which the user calls after the backward (or
     from a backward hook), not in its own end-of-backward callback. That write is DDP finishing the
     backward, not a user's edit of ``.grad``: the gradients are recorded again once it returns
-    (pipeline/grad_watch.py). Installed on the DDP instance; ``remove()`` puts DDP's own method back."""
+    (pipeline/reducing/grad_watch.py). Installed on the DDP instance; ``remove()`` puts DDP's own method back."""
 
     def __init__(self, engine, ddp):
         self.engine = weakref.ref(engine)

@@ -18,9 +18,9 @@ import weakref
 import numpy as np
 import torch
 
-from . import collectives
+from ..comm import collectives
+from ..comm.profiling import range_push
 from .layout import BucketLayout, reshard_plan
-from .profiling import range_push
 from .shard import BucketShard
 
 

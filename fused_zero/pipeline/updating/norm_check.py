@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..update.algorithms import clip_coefficient, grad_sumsq
-from . import collectives
+from ...update.algorithms import clip_coefficient, grad_sumsq
+from ..comm import collectives
 from .launches import Unit
 
 

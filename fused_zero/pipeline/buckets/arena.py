@@ -22,9 +22,9 @@ import bisect
 
 import torch
 
-from ..kernels import Segments, row_table
-from ..kernels.segments import VEC, VECTOR
-from ..update.formats import BlockTable
+from ...kernels import Segments, row_table
+from ...kernels.segments import VEC, VECTOR
+from ...update.formats import BlockTable
 from .shard import BucketShard
 
 ARENA_ALIGN = 32
@@ -240,7 +240,7 @@ class SingleLaunch:
     def for_step(self, shards: list[BucketShard], skip=()) -> list[tuple[Launch, list[torch.Tensor]]] | None:
         """``(launch, its bucket buffers)`` per dtype, member and state format when ``shards`` (with their
         ``reduced_buffer``) are exactly the arenas' shards; None when they are not (one launch per
-        bucket then). ``skip``: members the caller updates per part (Muon's: pipeline/whole_matrix.py)."""
+        bucket then). ``skip``: members the caller updates per part (Muon's: pipeline/updating/whole_matrix.py)."""
         if not self.arenas or len(shards) != sum(len(a.shards) for a in self.arenas.values()):
             return None
         index = {id(s): s for s in shards}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import Segments
-from ..update.algorithms import UpdateArgs, grad_sumsq
-from ..update.formats import DTYPES
+from ...kernels import Segments
+from ...update.algorithms import UpdateArgs, grad_sumsq
+from ...update.formats import DTYPES
 
 
 def compile_kernels(e) -> None:

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import Segments, row_table
-from ..update import formats
-from ..update.formats import DTYPES
+from ...kernels import Segments, row_table
+from ...update import formats
+from ...update.formats import DTYPES
 from .layout import BucketLayout
 from .strides import strided_view
 
@@ -53,7 +53,7 @@ class Part:
         region_shaped: the shard's only part: slot ``i`` is region slot ``i``.
         norm_rows / norm_segments: the rows whose gradients count towards the global norm and the
             non-finite count: each element once over DDP's group, so the slice on the first replica only
-            and the replicated tail on one rank (``counts``, from pipeline/topology.py). Gradients only.
+            and the replicated tail on one rank (``counts``, from pipeline/buckets/topology.py). Gradients only.
     """
 
     member: int

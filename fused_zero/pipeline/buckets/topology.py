@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from ..comm import collectives
 
 _GROUPS: dict[tuple, object] = {}
 """Process groups made here, by their global ranks (None for one this rank is not a member of), under the

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..options import WHOLE_STEP
-from .grad_watch import GradWatch
+from ...options import WHOLE_STEP
+from ..buckets.strides import strided_view
+from ..reducing.grad_watch import GradWatch
 from .refusals import Refusals
-from .strides import strided_view
 
 
 class StepPolicy:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import collectives
+from ..comm import collectives
 
 FLAGS = ("edited", "changed")
 """What a ``step()`` may refuse: an edit of ``.grad`` it cannot honor, param groups changed after the update

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..update import muon
-from . import collectives
-from .profiling import range_push
-from .strides import strided_view
+from ...update import muon
+from ..buckets.strides import strided_view
+from ..comm import collectives
+from ..comm.profiling import range_push
 
 
 class WholeParams:

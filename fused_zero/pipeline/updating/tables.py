@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .reduction import UsedFlags
+from ..reducing.reduction import UsedFlags
 
 
 class CoefficientTables:

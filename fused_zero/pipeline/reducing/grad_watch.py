@@ -43,7 +43,7 @@ class GradWatch:
 
     def record_again(self) -> None:
         """DDP wrote the reduced gradients back later than its callback (``ddp.finalize_backward()``,
-        pipeline/hooks.py ``FinalizeWatch``): what it wrote is the backward's, not an edit. Before the
+        pipeline/reducing/hooks.py ``FinalizeWatch``): what it wrote is the backward's, not an edit. Before the
         recording callback has run, nothing to do: it records after this."""
         if self.seen is not None:
             self._record()

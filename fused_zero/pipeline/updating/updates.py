@@ -12,16 +12,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..update.algorithms import UpdateArgs
-from . import collectives
+from ...update.algorithms import UpdateArgs
+from ..buckets.shard import BucketShard
+from ..buckets.topology import post_update_groups
+from ..comm import collectives
+from ..comm.profiling import range_push
+from ..reducing.reduction import Reduced
 from .launches import Unit, launch_units
 from .norm_check import check
 from .packed_gather import PackedGather
-from .profiling import range_push
-from .reduction import Reduced
-from .shard import BucketShard
 from .tables import CoefficientTables
-from .topology import post_update_groups
 from .whole_matrix import WholeMatrix
 from .whole_params import WholeParams
 

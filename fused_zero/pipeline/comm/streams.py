@@ -151,7 +151,7 @@ class SideStream:
         The copy goes through a persistent pinned buffer (``_PinnedRing``), not a new pinned
         allocation per call; the device copy is new each time, since an earlier table may still be
         read by kernels queued after this copy, unless ``out`` is given (a tensor of the side stream's
-        own, pipeline/scratch.py: what a CUDA graph reads every replay)."""
+        own, pipeline/comm/scratch.py: what a CUDA graph reads every replay)."""
         if self.stream is None:
             return table if out is None else out.copy_(table)
         with self.run(follow_current=False, relay=relay):

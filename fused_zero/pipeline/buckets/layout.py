@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..kernels import VEC, vector_elements
+from ...kernels import VEC, vector_elements
 
 ALIGN = 32
 """Slice starts are multiples of 32 elements (64 bytes of bf16, 128 bytes of fp32) where the bucket is

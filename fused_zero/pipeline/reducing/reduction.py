@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import collectives
-from .shard import BucketShard
+from ..buckets.shard import BucketShard
+from ..comm import collectives
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Reduced:
 
 class Reduction:
     """Attributes:
-        topology: the groups (pipeline/topology.py).
+        topology: the groups (pipeline/buckets/topology.py).
         track_used: whether DDP may leave parameters without a gradient (find_unused_parameters or
             static_graph), so that which ones got one must be learned.
         used_local: per parameter, whether this rank produced a gradient in this iteration (written by

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import collectives
+from ..comm import collectives
 
 
 class PackedGather:

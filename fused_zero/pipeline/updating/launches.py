@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .reduction import Reduced, UsedFlags
-from .shard import BucketShard
+from ..buckets.shard import BucketShard
+from ..reducing.reduction import Reduced, UsedFlags
 
 
 def identity(x) -> object:

@@ -25,13 +25,13 @@ stepped without ``unscale_`` after steps with it: a few captures per run.
 
 from __future__ import annotations
 
-from .launches import identity
-from .profiling import range_push
+from ..comm.profiling import range_push
+from ..updating.launches import identity
 
 
 class StepGraph:
     """The graphs of one engine's steps: one per member (each optimizer's ``step()`` is its own device
-    work, pipeline/updates.py), each captured and replayed on its own key.
+    work, pipeline/updating/updates.py), each captured and replayed on its own key.
 
     Attributes:
         captures, replays: how many times a graph was captured, replayed, over every member (read by
@@ -93,7 +93,7 @@ def check_capturable(engine, ddp) -> None:
     if engine.options.stochastic_rounding:
         why.append('master_weights="stochastic": its rounding keys are hashed from the step with temporaries; '
                    "use master weights")
-    why += [f"{m.name}: its phases (pipeline/whole_matrix.py) make their exchange buffers and Newton-Schulz's "
+    why += [f"{m.name}: its phases (pipeline/updating/whole_matrix.py) make their exchange buffers and Newton-Schulz's "
             "matrices as torch ops, new every step, which a graph would hold in a pool of its own; step it eagerly "
             "(build the optimizers without capturable=True)" for m in engine.members if m.algo.phased]
     if engine.side.api is None:

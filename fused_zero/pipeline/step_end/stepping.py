@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import rebuild
-from .profiling import range_push
+from ..buckets import rebuild
+from ..comm.profiling import range_push
 
 
 class Stepping:

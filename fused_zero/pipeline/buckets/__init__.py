@@ -1,0 +1,6 @@
+"""Where every element of a bucket lives, which every stage stands on: the pure layout (layout.py), this
+rank's shard of a bucket and its state parts (shard.py), the arenas of one launch per step (arena.py),
+memory-order views (strides.py), which shard holds what and resharding (registry.py), DDP's one bucket
+rebuild (rebuild.py) and which ranks shard together (topology.py).
+
+May import comm/ only; not reducing/, updating/, step_end/ nor the engine's modules above them."""
