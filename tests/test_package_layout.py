@@ -18,6 +18,10 @@ So the pipeline never imports checkpoints, integrations or the demo, nothing imp
 only the integrations import their frameworks. No two modules import each other, however far round:
 the imports of the package's modules make no circle (imports under ``if TYPE_CHECKING:`` and inside
 functions count too). Also held here: no module over 400 lines, no class over 250.
+
+Inside pipeline/ the same holds between its rooms (sub-packages), from the bottom up: comm, buckets,
+reducing, updating, step_end, then the modules directly in pipeline/ (the engine and what sits beside
+it, at most 8). A room imports only the rooms below it, never one above, nor the engine's modules.
 """
 
 import ast
@@ -120,10 +124,10 @@ def test_imports_follow_the_map(module, path):
 
 @pytest.mark.parametrize("module,source,expected", [
     ("fused_zero.pipeline.engine", "from ..checkpoint import canonical\n", "pipeline"),
-    ("fused_zero.pipeline.hooks", "import fused_zero.lightning\n", "integrations"),
-    ("fused_zero.pipeline.hooks", "import lightning.pytorch as pl\n", "only the integrations"),
+    ("fused_zero.pipeline.reducing.hooks", "import fused_zero.lightning\n", "integrations"),
+    ("fused_zero.pipeline.reducing.hooks", "import lightning.pytorch as pl\n", "only the integrations"),
     ("fused_zero.checkpoint.sharded", "from ..demo.spawn import run_ranks\n", "checkpoint"),
-    ("fused_zero.kernels.adam", "from fused_zero.pipeline import layout\n", "kernels"),
+    ("fused_zero.kernels.adam", "from fused_zero.pipeline.buckets import layout\n", "kernels"),
     ("fused_zero.kernels.norm", "import torch.distributed as dist\n", "torch.distributed"),
     ("fused_zero.update.algorithms", "from ..optimizer import AdamW\n", "update"),
 ])
@@ -252,3 +256,87 @@ def test_every_package_is_installed():
     assert found == set(config["packages"]), (
         f"missing from pyproject.toml's packages: {sorted(found - set(config['packages']))}; "
         f"listed without a folder: {sorted(set(config['packages']) - found)}")
+
+
+PIPELINE = ROOT / "fused_zero" / "pipeline"
+PIPELINE_ROOMS = ("comm", "buckets", "reducing", "updating", "step_end")
+"""pipeline/'s rooms from the bottom up; the modules directly in pipeline/ (the engine's) stand above them."""
+PIPELINE_TOP_MODULES = 8
+
+
+def _room_rank(module: str) -> int | None:
+    """Where a dotted module name stands in pipeline/: its room's place in PIPELINE_ROOMS, the top's
+    (len(PIPELINE_ROOMS)) for pipeline/ itself and the modules directly in it; None outside pipeline/."""
+    names = module.split(".")
+    if names[:2] != ["fused_zero", "pipeline"]:
+        return None
+    if len(names) > 2 and names[2] in PIPELINE_ROOMS:
+        return PIPELINE_ROOMS.index(names[2])
+    return len(PIPELINE_ROOMS)
+
+
+def _room_name(rank: int) -> str:
+    return PIPELINE_ROOMS[rank] if rank < len(PIPELINE_ROOMS) else "pipeline's own modules"
+
+
+def room_violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Each import of a module of pipeline/ that reaches a room above its own."""
+    rank = _room_rank(module)
+    if rank is None:
+        return []
+    out = []
+    for target in imports(module, source, is_package):
+        other = _room_rank(target)
+        if other is not None and other > rank:
+            out.append(f"{module} ({_room_name(rank)}) imports {target} ({_room_name(other)}): a room of "
+                       f"pipeline/ imports only the rooms below it ({', '.join(PIPELINE_ROOMS)}, bottom up)")
+    return out
+
+
+def pipeline_modules(folder: Path = PIPELINE) -> list[str]:
+    """The modules directly in pipeline/ (its __init__.py not counted)."""
+    return sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+
+
+def test_pipeline_holds_few_modules():
+    """pipeline/ holds the engine and what sits beside it; every stage lives in a room of its own."""
+    found = pipeline_modules()
+    assert len(found) <= PIPELINE_TOP_MODULES, f"{len(found)} modules directly in pipeline/: {found}"
+
+
+def test_a_crowded_pipeline_is_named(tmp_path):
+    """The count itself can fail: nine modules directly in a pipeline folder are too many."""
+    for i in range(PIPELINE_TOP_MODULES + 1):
+        (tmp_path / f"m{i}.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    assert len(pipeline_modules(tmp_path)) > PIPELINE_TOP_MODULES
+
+
+def test_every_room_is_declared():
+    """Each sub-package of pipeline/ has its place in PIPELINE_ROOMS, and its __init__.py is a docstring
+    and nothing else (what the room holds and which rooms it may import)."""
+    rooms = sorted(p.parent.name for p in PIPELINE.glob("*/__init__.py"))
+    assert rooms == sorted(PIPELINE_ROOMS)
+    for room in rooms:
+        body = ast.parse((PIPELINE / room / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), room
+
+
+@pytest.mark.parametrize("module,path", [(m, p) for m, p in modules() if _room_rank(m) is not None],
+                         ids=[m for m, _ in modules() if _room_rank(m) is not None])
+def test_rooms_import_only_below(module, path):
+    assert room_violations(module, path.read_text(), path.name == "__init__.py") == []
+
+
+@pytest.mark.parametrize("module,source,expected", [
+    ("fused_zero.pipeline.buckets.shard", "from ..updating.packed_gather import PackedGather\n", "(buckets)"),
+    ("fused_zero.pipeline.comm.collectives", "from ..buckets import layout\n", "(comm)"),
+    ("fused_zero.pipeline.updating.launches", "def f():\n    from ..step_end.step_graph import StepGraph\n",
+     "(updating)"),
+    ("fused_zero.pipeline.step_end.stepping", "from .. import engine\n", "pipeline's own modules"),
+    ("fused_zero.pipeline.reducing.hooks", "import fused_zero.pipeline.members\n", "pipeline's own modules"),
+])
+def test_an_upward_import_is_named(module, source, expected):
+    """The room check itself can fail: each of these imports reaches a room above the module's own."""
+    found = room_violations(module, source)
+    assert found and expected in found[0], found
