@@ -340,3 +340,42 @@ def test_an_upward_import_is_named(module, source, expected):
     """The room check itself can fail: each of these imports reaches a room above the module's own."""
     found = room_violations(module, source)
     assert found and expected in found[0], found
+
+
+ENGINE_FACES = 8
+"""The most attributes a module outside pipeline/ reads of the engine or of a member's view of it."""
+ENGINE_NAMES = ("engine", "_engine", "e", "view", "_view", "target")
+"""The names the engine and the checkpoint side's views go by (pipeline/members.MemberView, and
+checkpoint/loading.Target, which stands in for it before the engine exists)."""
+
+
+def engine_attributes(tree: ast.AST) -> set[str]:
+    """The distinct attributes read of a name in ENGINE_NAMES (or of ``self.<name>``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+            if name in ENGINE_NAMES:
+                out.add(node.attr)
+    return out
+
+
+def test_outside_the_pipeline_a_module_reads_few_of_the_engines_attributes():
+    """A collaborator gets narrow faces (the checkpoint side: a member's optimizer, algorithm, parameter
+    table, ranks, state layout and step counts), not the engine to read at will: at most ENGINE_FACES
+    distinct attributes per module outside pipeline/ (and testing/, which models the device under it)."""
+    wide = {}
+    for module, path in modules():
+        parts = module.split(".")
+        if len(parts) > 1 and parts[1] in ("pipeline", "testing"):
+            continue
+        names = engine_attributes(ast.parse(path.read_text()))
+        if len(names) > ENGINE_FACES:
+            wide[module] = sorted(names)
+    assert not wide, f"modules reading more than {ENGINE_FACES} attributes of the engine or its views: {wide}"
+
+
+def test_the_engine_attribute_count_sees_a_wide_reader():
+    wide = "def f(engine, view):\n    return engine.a, engine.b(), view.c, self.engine.d\n"
+    assert engine_attributes(ast.parse(wide)) == {"a", "b", "c", "d"}

@@ -42,11 +42,11 @@ def has_state(engine, i: int) -> bool:
     it is built)."""
     algo, count = engine.algo, engine.counts()[i]
     if hasattr(algo, "has_state"):
-        return algo.has_state(count, engine.opt.param_groups[engine.group_of[i]])
+        return algo.has_state(count, engine.opt.param_groups[engine.table.group_of[i]])
     if count == 0:
         return False
     if algo.kind == "sgd":
-        return engine.opt.param_groups[engine.group_of[i]]["momentum"] != 0
+        return engine.opt.param_groups[engine.table.group_of[i]]["momentum"] != 0
     return True
 
 
@@ -58,11 +58,11 @@ def keeps_step(engine) -> bool:
 def state_names_of(engine, shard, i: int) -> list[str]:
     """The state names torch.optim keeps for parameter ``i`` (the shard's, less what its param group
     has no use for: RMSprop's momentum buffer without momentum)."""
-    names = engine.names(shard)
+    names = engine.layout.names(shard)
     group_has = getattr(engine.algo, "group_has", None)
     if group_has is None:
         return names
-    group = engine.opt.param_groups[engine.group_of[i]]
+    group = engine.opt.param_groups[engine.table.group_of[i]]
     return [n for n in names if n == "master" or group_has(n, group)]
 
 
@@ -73,9 +73,9 @@ def kept_entries(engine, i: int) -> dict:
     algo = engine.algo
     if not getattr(algo, "kept_names", ()):
         return {}
-    group = engine.opt.param_groups[engine.group_of[i]]
-    return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(engine.pids[i]), group,
-                                                                            engine.device).items()}
+    group = engine.opt.param_groups[engine.table.group_of[i]]
+    return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(engine.table.pids[i]), group,
+                                                                            engine.ranks.device).items()}
 
 
 def param_index(opt) -> dict[int, int]:
@@ -95,8 +95,8 @@ def packed_groups(opt, index: dict[int, int]) -> list[dict]:
 def state_dict(engine, peers, to: int | None = None) -> dict | None:
     """The canonical dict on CPU, on any calling rank (``to=None``) or on rank ``to`` only (the others
     get None); the other ranks serve their slices whatever they do meanwhile (serving.py)."""
-    if to is not None and not (isinstance(to, int) and 0 <= to < engine.world):
-        raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.world - 1})")
+    if to is not None and not (isinstance(to, int) and 0 <= to < engine.ranks.world):
+        raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.ranks.world - 1})")
     return peers.state_dict(to, lambda: StateDictBuilder(engine))
 
 
@@ -105,10 +105,11 @@ def written_by(engine, peers, writer: int) -> dict:
     checkpoint on every rank and writes it from ``writer`` alone: one full dict, and one transfer per
     other rank, instead of one dict on every rank and W(W - 1) transfers. The other ranks get ``{}``
     (a dict, as such frameworks expect; Lightning gives the same to sharded optimizers of its own)."""
-    to = engine.topology.group_rank(writer)
+    topology = engine.ranks.topology
+    to = topology.group_rank(writer)
     if to is None:
         raise ValueError(f"the checkpoint is written from global rank {writer}, which is not in the optimizer's "
-                         f"process group (global ranks {sorted(r for m in engine.topology.global_ranks for r in m)}"
+                         f"process group (global ranks {sorted(r for m in topology.global_ranks for r in m)}"
                          "): that rank cannot gather the state. Build DDP over a process group that includes it")
     sd = state_dict(engine, peers, to)
     return {} if sd is None else sd
@@ -116,13 +117,14 @@ def written_by(engine, peers, writer: int) -> dict:
 
 def sharded_slices(engine) -> list:
     """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
-    return [(shard, name) for shard in engine.shards() if shard.layout.shard for name in engine.names(shard)]
+    layout = engine.layout
+    return [(shard, name) for shard in layout.shards() if shard.layout.shard for name in layout.names(shard)]
 
 
 def layout_fingerprint(engine) -> int:
     """What requester and server must agree on for a slice to mean the same elements on both."""
     layouts = [(s.layout.numel, s.layout.head, s.layout.shard, tuple(s.layout.pids), tuple(s.layout.offsets),
-                tuple(engine.names(s))) for s in engine.shards()]
+                tuple(engine.layout.names(s))) for s in engine.layout.shards()]
     return zlib.crc32(repr(layouts).encode())
 
 
@@ -147,10 +149,10 @@ class StateDictBuilder:
         self.state: dict[int, dict] = {}
         self._fresh: list[tuple] = []  # (flat entry, value) of state made before any step, set in result()
         self._targets: dict[int, tuple] = {}  # id(shard) -> (offsets, numels, per parameter {name: flat entry})
-        for shard in engine.shards():
+        for shard in engine.layout.shards():
             layout = shard.layout
             order = sorted(range(len(layout.pids)), key=layout.offsets.__getitem__)
-            rows = [self._entry(engine.local_of.get(layout.pids[local]), shard) for local in order]
+            rows = [self._entry(engine.table.local_of.get(layout.pids[local]), shard) for local in order]
             self._targets[id(shard)] = ([layout.offsets[i] for i in order], [layout.numels[i] for i in order], rows)
 
     def _entry(self, i: int | None, shard) -> dict | None:
@@ -158,7 +160,7 @@ class StateDictBuilder:
         e = self.engine
         if i is None or not has_state(e, i):
             return None
-        p = e.params[i]
+        p = e.table.params[i]
         entry = self.state.setdefault(self._index[id(p)], {})
         if keeps_step(e):
             entry["step"] = torch.tensor(float(e.counts()[i]), dtype=torch.float32, device="cpu")
@@ -168,7 +170,7 @@ class StateDictBuilder:
             flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
             if fresh and name != "master":
-                self._fresh.append((flats[name], e.algo.fresh(name, e.opt.param_groups[e.group_of[i]])))
+                self._fresh.append((flats[name], e.algo.fresh(name, e.opt.param_groups[e.table.group_of[i]])))
         entry.update(kept_entries(e, i))
         return flats
 
@@ -186,11 +188,11 @@ class StateDictBuilder:
 
     def local(self) -> StateDictBuilder:
         """This rank's own slices and the replicated tails (every rank holds them)."""
-        for shard in self.engine.shards():
+        for shard in self.engine.layout.shards():
             layout = shard.layout
             rank = layout.rank  # within the shard group
             mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
-            for name in self.engine.names(shard):
+            for name in self.engine.layout.names(shard):
                 region = shard.values(name)  # decoded to fp32 where the moments are stored compact
                 if layout.shard:
                     self.add(shard, name, rank * layout.shard, region[mine].cpu())
@@ -207,7 +209,7 @@ class StateDictBuilder:
         state = {k: dict(sorted(v.items(), key=lambda kv: rank.get(kv[0], len(rank) + (kv[0] == MASTER_KEY))))
                  for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
-        formats = self.engine.group_formats
+        formats = self.engine.table.group_formats
         if any(f != "fp32" for f in formats):  # torch.optim ignores the key; the moments are decoded
             out["fused_zero"] = {"state_format": formats[0] if len(set(formats)) == 1 else formats}
         return out
@@ -221,7 +223,7 @@ def is_state_init_step(engine) -> bool:
         return False
     if any(float(g.get("lr", 0.0)) != 0.0 for g in engine.opt.param_groups):
         return False
-    return all(p.grad is not None and not bool(p.grad.any()) for p in engine.params)
+    return all(p.grad is not None and not bool(p.grad.any()) for p in engine.table.params)
 
 
 def run_state_init_step(engine) -> None:
@@ -234,7 +236,7 @@ def local_entry(engine, i: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
-    shard, local = engine.where(i)
+    shard, local = engine.layout.where(i)
     me = shard.layout.rank
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
             if owner in (me, REPLICATED)]

@@ -121,7 +121,7 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
     kept = getattr(engine.algo, "kept_names", ())
     for name, value in entry.items():
         if name in kept:  # state kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
-            error = engine.algo.check_kept(name, value, engine.params[pid].shape)
+            error = engine.algo.check_kept(name, value, engine.table.params[pid].shape)
             if error is not None:
                 raise StateDictError(f"{where}: {error}")
             continue
@@ -147,21 +147,21 @@ def agree(engine, error: str | None) -> None:
     collectives: ``all_gather_object`` would put its tensors on the *current* device, which under NCCL,
     in a script that never calls ``torch.cuda.set_device``, is cuda:0 on every rank."""
     errors = [error]
-    if engine.world > 1:
+    if engine.ranks.world > 1:
         errors = _gather_messages(engine, error)
     for rank, e in enumerate(errors):
         if e is not None:
-            prefix = "" if rank == engine.rank else f"rank {rank} refused the state dict: "
+            prefix = "" if rank == engine.ranks.rank else f"rank {rank} refused the state dict: "
             raise StateDictError(prefix + e)
 
 
 def _gather_messages(engine, message: str | None) -> list[str | None]:
     """Every rank's ``message`` (None: no message), on every rank: the lengths, then the bytes."""
-    device, world = engine.device, engine.world
+    device, world = engine.ranks.device, engine.ranks.world
     data = (message or "").encode()[:_MESSAGE_BYTES]
     lengths = torch.zeros(world, dtype=torch.int64, device=device)
     mine = torch.tensor([0 if message is None else len(data) + 1], dtype=torch.int64, device=device)
-    collectives.all_gather(lengths, mine, engine.group, async_op=False)
+    collectives.all_gather(lengths, mine, engine.ranks.group, async_op=False)
     lengths = lengths.tolist()
     width = max(lengths)
     if width == 0:
@@ -170,7 +170,7 @@ def _gather_messages(engine, message: str | None) -> list[str | None]:
     if data:
         buf[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
     everyone = torch.empty(world * width, dtype=torch.uint8, device=device)
-    collectives.all_gather(everyone, buf, engine.group, async_op=False)
+    collectives.all_gather(everyone, buf, engine.ranks.group, async_op=False)
     everyone = everyone.cpu().tolist()
     return [None if n == 0 else bytes(everyone[r * width:r * width + n - 1]).decode(errors="replace")
             for r, n in enumerate(lengths)]

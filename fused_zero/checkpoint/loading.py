@@ -22,14 +22,15 @@ start from) the parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from ..options import ShardingOptions, member_params
-from ..pipeline.buckets import rebuild
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.buckets.topology import world_and_rank
+from ..pipeline.members import Ranks
 from . import checks
 from .canonical import packed_groups, param_index
 from .checks import MASTER_KEY, StateDictError
@@ -37,31 +38,33 @@ from .checks import MASTER_KEY, StateDictError
 
 @dataclass
 class Target:
-    """What a dict is checked against (the attributes ``checks`` reads of an engine).
+    """What a dict is checked against: the faces ``checks`` reads of a member's view
+    (pipeline/members.MemberView), or of an optimizer whose engine does not exist yet.
 
     Attributes:
-        opt, algo: the optimizer and its algorithm; ``params`` the parameters it updates, in the
+        opt, algo: the optimizer and its algorithm; ``table.params`` the parameters it updates, in the
             engine's order; ``masters[i]`` whether parameter i keeps an fp32 master.
-        world, rank, group: the ranks that must agree (world 1: this rank alone); ``device`` the
-            parameters', where their refusals travel (checks.agree).
+        ranks: the ranks that must agree (world 1: this rank alone), the device of the parameters, where
+            their refusals travel (checks.agree).
     """
 
     opt: object
     algo: object
-    params: list
+    table: object
     masters: list[bool]
-    world: int = 1
-    rank: int = 0
-    group: object = None
-    device: object = None
+    ranks: Ranks
+
+
+def _target(opt, algo, params: list, masters: list[bool], world: int = 1, rank: int = 0, group=None,
+            device=None) -> Target:
+    return Target(opt, algo, SimpleNamespace(params=params), masters, Ranks(world, rank, group, device, None))
 
 
 def _of_engine(engine) -> Target:
     """``engine``: one optimizer's share of the engine (pipeline/members.MemberView), as everywhere here."""
     engine.synchronize()  # the masters are compared with the parameters
-    masters = ["master" in engine.where(i)[0].names for i in range(len(engine.params))]
-    return Target(engine.opt, engine.algo, engine.params, masters, engine.world, engine.rank, engine.group,
-                  engine.device)
+    masters = ["master" in engine.layout.where(i)[0].names for i in range(len(engine.table.params))]
+    return Target(engine.opt, engine.algo, engine.table, masters, engine.ranks)
 
 
 def _params_in_order(opt) -> list:
@@ -87,7 +90,7 @@ def keep_until_attach(opt, sd) -> dict | None:
     and return the per-parameter state to lay out at attach (None if the dict has none)."""
     options = ShardingOptions(**opt._options)
     params = _params_in_order(opt)
-    target = Target(opt, opt._algorithm, params, [options.keeps_master(p.dtype) for p in params])
+    target = _target(opt, opt._algorithm, params, [options.keeps_master(p.dtype) for p in params])
     error, (groups, entries) = _checked(target, sd)
     if error is not None:
         raise StateDictError(error + " (nothing was loaded: the optimizer is as it was)")
@@ -112,8 +115,8 @@ def check_at_attach(opt, ddp, options: dict, kept: dict | None):
     params, _ = member_params(opt.param_groups, ddp)
     group = ddp.process_group
     world, rank = world_and_rank(group)
-    target = Target(opt, opt._algorithm, params, [sharding.keeps_master(p.dtype) for p in params], world, rank, group,
-                    params[0].device)
+    target = _target(opt, opt._algorithm, params, [sharding.keeps_master(p.dtype) for p in params], world, rank,
+                     group, params[0].device)
     error, plan = (None, None) if kept is None else _checked(target, kept)
     if error is not None:
         error = f"the state loaded before attach does not fit: {error}"
@@ -147,7 +150,7 @@ def _checked(target: Target, sd) -> tuple[str | None, tuple]:
 
 def _check(target: Target, sd):
     """Everything a load needs, validated: the merged param groups and each parameter's saved entry
-    (by the parameter's index in ``target.params``)."""
+    (by the parameter's index in ``target.table.params``)."""
     kind = target.algo.kind
     checks.check_structure(sd, kind)
     opt = target.opt
@@ -162,7 +165,7 @@ def _check(target: Target, sd):
     kept = list(getattr(algo, "kept_names", ()))
     group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
     entries = {}
-    for pid, p in enumerate(target.params):
+    for pid, p in enumerate(target.table.params):
         key = saved_index[id(p)]
         entry = sd["state"].get(key, {})
         where = f"parameter {key} (shape {tuple(p.shape)})"
@@ -186,16 +189,16 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
     engine.synchronize()
-    hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    engine.holding = engine.holding or hold
-    member = engine.member.index
-    for shard in engine.shards():
+    hold = engine.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    engine.layout.holding = engine.layout.holding or hold
+    member = engine.table.member
+    for shard in engine.layout.shards():
         shard.init_master_from_params(member)
         filled = {name: shard.values("master") if name == "master" else
-                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.device)
-                  for name in engine.names(shard)}
+                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.ranks.device)
+                  for name in engine.layout.names(shard)}
         for piece in shard.layout.pieces(shard.layout.rank):
-            i = engine.local_of.get(shard.layout.pids[piece.local])
+            i = engine.table.local_of.get(shard.layout.pids[piece.local])
             if i is None:
                 continue  # another optimizer's parameter
             saved = entries[i]
@@ -203,7 +206,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                 value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
-                flat = memory_order(value.detach(), engine.params[i])
+                flat = memory_order(value.detach(), engine.table.params[i])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
         for name, region in filled.items():  # moments encoded in their format, as an update would
@@ -220,7 +223,7 @@ def load_kept(engine, i: int, saved: dict) -> None:
     """Parameter ``i``'s state kept on every rank beside the regions (canonical.kept_entries), from its
     saved entry; a parameter the dict has no state for makes it afresh at its first step."""
     if getattr(engine.algo, "kept_names", ()):
-        engine.algo.load_kept(int(engine.pids[i]), saved, engine.device)
+        engine.algo.load_kept(int(engine.table.pids[i]), saved, engine.ranks.device)
 
 
 def saved_step(engine, saved: dict) -> float:

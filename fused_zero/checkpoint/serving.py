@@ -69,7 +69,7 @@ class CheckpointSyncError(RuntimeError):
 
 def peers_for(engine) -> CheckpointPeers:
     """This optimizer's side of ``state_dict()`` across ranks; at ``attach``, on every rank."""
-    return CheckpointPeers(engine, server_for(engine.group) if engine.world > 1 else None)
+    return CheckpointPeers(engine, server_for(engine.ranks.group) if engine.ranks.world > 1 else None)
 
 
 class CheckpointPeers:
@@ -107,19 +107,19 @@ class CheckpointPeers:
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
         built. Returns the dict, or None on ranks other than ``to``."""
         e = self.engine
-        if e.iteration.invoked and e.member.index not in e.iteration.stepped:
+        if e.iteration.invoked and e.table.member not in e.iteration.stepped:
             raise CheckpointSyncError("optimizer.state_dict() was called between a backward and optimizer.step(): "
                                       "the state is served as it is after a step; " + USAGE)
         if self.server is None:
             return make_builder().local().result()
-        topo = e.topology
-        if to is not None and to != e.rank:
+        topo = e.ranks.topology
+        if to is not None and to != e.ranks.rank:
             if topo.position(to)[0] != topo.replica:
                 return None  # rank ``to`` builds its dict from its own shard group (pipeline/buckets/topology.py)
             self._await_served(to)
             return None
         k = next(self.server.requests)
-        others = [r for r in topo.shards[topo.replica] if r != e.rank]  # the ranks holding the other slices
+        others = [r for r in topo.shards[topo.replica] if r != e.ranks.rank]  # the ranks holding the other slices
         try:
             self._post(others, {"kind": "announce", "number": self.number, "version": self.version, "to": to,
                                 "k": k})
@@ -138,9 +138,9 @@ class CheckpointPeers:
     def _post(self, ranks: list[int], message: dict) -> None:
         try:
             for r in ranks:
-                self.server.inbox.post(r, {**message, "src": self.engine.rank})
+                self.server.inbox.post(r, {**message, "src": self.engine.ranks.rank})
         except Exception as err:  # the store is gone: so is whoever hosted it
-            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.engine.rank} cannot reach the other "
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.engine.ranks.rank} cannot reach the other "
                                       f"ranks through the process group's store ({type(err).__name__}: {err})"
                                       ) from None
 
@@ -157,7 +157,7 @@ class CheckpointPeers:
             server.acks.discard((src, k))
         if taken is None:
             raise CheckpointSyncError(
-                f"optimizer.state_dict() on rank {e.rank}: rank {src} did not take the request within "
+                f"optimizer.state_dict() on rank {e.ranks.rank}: rank {src} did not take the request within "
                 f"{channel.JOIN_DEADLINE_S:.0f} s (its process is gone or stuck). Keep every rank alive until "
                 "optimizer.state_dict() has returned (any collective after it, e.g. a dist.barrier() before "
                 "exiting): the other ranks hold their shards of the state")
@@ -165,7 +165,7 @@ class CheckpointPeers:
         try:
             why = ch.recv_text(src, request_tag(k, 0), deadline)
             if why:
-                raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.rank}: {why}")
+                raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.ranks.rank}: {why}")
             pending = collections.deque()
             for i, (shard, name) in enumerate(builder.slices, start=1):
                 buf = torch.empty(shard.layout.shard, dtype=torch.float32, device="cpu")  # gloo's, host memory
@@ -174,17 +174,17 @@ class CheckpointPeers:
                     while pending:
                         work, buf, shard, name = pending.popleft()
                         ch.wait(work, buf, src, "receiving optimizer state from", deadline)
-                        builder.add(shard, name, e.topology.position(src)[1] * shard.layout.shard, buf)
+                        builder.add(shard, name, e.ranks.topology.position(src)[1] * shard.layout.shard, buf)
         except ChannelError as err:
-            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.rank}: {err}. Keep every rank alive until "
-                                      "optimizer.state_dict() has returned (any collective after it, e.g. a "
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.ranks.rank}: {err}. Keep every rank alive "
+                                      "until optimizer.state_dict() has returned (any collective after it, e.g. a "
                                       "dist.barrier() before exiting): the other ranks hold their shards of the "
                                       "state") from None
 
     def _await_served(self, to: int) -> None:
         """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version (up to
         JOIN_DEADLINE_S) and this rank has served it."""
-        server, version, me = self.server, self.version, self.engine.rank
+        server, version, me = self.server, self.version, self.engine.ranks.rank
 
         def announcement():
             queue = server.announced.get((self.number, to))
@@ -229,10 +229,11 @@ class CheckpointPeers:
             mine, record = versions.newest, versions.get(version)
         if record is None:
             late = f", and it did not get there within {channel.JOIN_DEADLINE_S:.0f} s" if mine < version else ""
-            return (f"rank {self.engine.rank} is at version {mine} (completed steps and loads), the requester at "
+            return (f"rank {self.engine.ranks.rank} is at version {mine} (completed steps and loads), the requester at "
                     f"{version}{late}: " + USAGE), None
         if record.fingerprint != fingerprint:
-            return f"rank {self.engine.rank} holds another bucket layout than the requester's at the same version", None
+            return (f"rank {self.engine.ranks.rank} holds another bucket layout than the requester's at the same "
+                    "version"), None
         return "", record
 
     def send_slices(self, ch: Channel, dst: int, k: int, record: Published) -> None:

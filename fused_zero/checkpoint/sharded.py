@@ -56,7 +56,6 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..pipeline.buckets import rebuild
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.comm import collectives
 from ..update.formats import DTYPES, SIGNED, decode
@@ -85,9 +84,9 @@ def _dim_order(p: torch.Tensor) -> list[int] | None:
 def _describe(engine) -> dict:
     index = canonical.param_index(engine.opt)
     return {"format": FORMAT, "kind": engine.algo.kind,
-            "state": sorted({_state_key(n) for s in engine.shards() for n in engine.names(s)}),
-            "shapes": {index[id(p)]: list(p.shape) for p in engine.params},
-            "orders": {index[id(p)]: _dim_order(p) for p in engine.params}}
+            "state": sorted({_state_key(n) for s in engine.layout.shards() for n in engine.layout.names(s)}),
+            "shapes": {index[id(p)]: list(p.shape) for p in engine.table.params},
+            "orders": {index[id(p)]: _dim_order(p) for p in engine.table.params}}
 
 
 def sharded_state_dict(engine) -> dict:
@@ -98,18 +97,18 @@ def sharded_state_dict(engine) -> dict:
     engine.synchronize()
     index = canonical.param_index(engine.opt)
     state, regions, parts = {}, {}, {}
-    group = engine.topology.shard_group
-    mesh = None if group is None else DeviceMesh.from_group(group, engine.device.type)
+    group = engine.ranks.topology.shard_group
+    mesh = None if group is None else DeviceMesh.from_group(group, engine.ranks.device.type)
     stored, blocks = {}, {}
     counts = engine.counts()
-    for i, p in enumerate(engine.params):
-        shard, local = engine.where(i)
+    for i, p in enumerate(engine.table.params):
+        shard, local = engine.layout.where(i)
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
         entry = {"step": torch.tensor(float(counts[i]), dtype=torch.float32, device="cpu")}  # torch.optim's
-        for name in engine.names(shard):
+        for name in engine.layout.names(shard):
             dtype = _saved_dtype(engine, i, name, compact=mesh is not None)
             if dtype in STORED:  # copies of the stored runs
-                part = _part_of(shard, int(engine.pids[i]), name, dtype, parts) if mine else None
+                part = _part_of(shard, int(engine.table.pids[i]), name, dtype, parts) if mine else None
                 chunks = [part.stored(name, off, hi - lo).clone() for lo, hi, off in mine]
             else:
                 if (id(shard), name) not in regions:
@@ -119,12 +118,12 @@ def sharded_state_dict(engine) -> dict:
                 chunks = [region[off:off + hi - lo].clone() if live and mesh is not None
                           else region[off:off + hi - lo] for lo, hi, off in mine]
             key = _state_key(name)
-            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.device, dtype)
+            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.ranks.device, dtype)
             if dtype in STORED:
                 stored.setdefault(index[id(p)], {})[key] = STORED[dtype]
         entry.update(canonical.kept_entries(engine, i))  # replicated: the same on every rank
         state[index[id(p)]] = entry
-    if mesh is not None and "8bit" in engine.state_formats and not engine.holding:  # alike on every rank
+    if mesh is not None and "8bit" in engine.table.state_formats and not engine.layout.holding:  # alike on every rank
         blocks = _gather_blocks(engine, index, group)
     describe = dict(_describe(engine), stored=stored, blocks=blocks)
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
@@ -147,8 +146,8 @@ def _saved_dtype(engine, i: int, name: str, compact: bool) -> torch.dtype:
     """What a parameter's state tensor is saved as, the same on every rank (DCP keeps one rank's
     metadata): its format's dtype, but fp32 for masters, without a process group (``compact`` False: no
     DTensor receives into fp32), and for 8-bit moments a load holds in fp32 until DDP's rebuild."""
-    fmt = engine.state_formats[i]
-    if name == "master" or not compact or (engine.holding and fmt == "8bit"):
+    fmt = engine.table.state_formats[i]
+    if name == "master" or not compact or (engine.layout.holding and fmt == "8bit"):
         return torch.float32
     return DTYPES[fmt]
 
@@ -159,10 +158,10 @@ def _gather_blocks(engine, index, group) -> dict:
     tail's are rank 0's, as its chunks are). Worked out in numpy: nothing here touches the device but
     the one read of each part's scales."""
     mine: dict[tuple, list] = {}
-    params = engine.engine.params  # the part tables' indices are the engine's
-    for shard in engine.shards():
+    params = engine.table.engine_params  # the part tables' indices are the engine's
+    for shard in engine.layout.shards():
         me, layout = shard.layout.rank, shard.layout
-        for part in engine.parts(shard):
+        for part in engine.layout.parts(shard):
             names = [n for n, t in part.state.items() if t.dtype == torch.uint8]
             if not names:
                 continue
@@ -231,21 +230,21 @@ def _check(engine, sd):
     index = canonical.param_index(engine.opt)
     engine.synchronize()
     values = {}
-    for pid, p in enumerate(engine.params):  # the optimizer's own order
+    for pid, p in enumerate(engine.table.params):  # the optimizer's own order
         i = index[id(p)]
         entry = sd["state"][i]
         where = f"parameter {i} (shape {tuple(p.shape)})"
         step = entry["step"]
         local = {"step": step}
-        shard, loc = engine.where(pid)
+        shard, loc = engine.layout.where(pid)
         mine_runs = _owned(shard.layout.owners(loc, shard.layout.rank), shard.layout.rank)
-        for name in engine.names(shard):
+        for name in engine.layout.names(shard):
             by_offset = _chunks(entry[_state_key(name)], mine_runs, p.numel())
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
             flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else \
-                torch.zeros(0, dtype=torch.float32, device=engine.device)
+                torch.zeros(0, dtype=torch.float32, device=engine.ranks.device)
             if saved.get("stored", {}).get(i, {}).get(_state_key(name)) == "8bit":
                 flat = _decoded(flat, mine_runs, saved.get("blocks", {}).get((i, _state_key(name))), p.numel(),
                                 name, where)
@@ -259,7 +258,7 @@ def _check(engine, sd):
         for name in getattr(engine.algo, "kept_names", ()):
             if name in entry:
                 local[name] = entry[name]
-        required = [_state_key(n) for n in engine.names(shard)] + ["step"]
+        required = [_state_key(n) for n in engine.layout.names(shard)] + ["step"]
         checks.check_entry(engine, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
                                  required)
         values[pid] = local
@@ -292,18 +291,18 @@ def _apply(engine, groups, values) -> None:
     for g, merged in zip(opt.param_groups, groups):
         g.update({k: v for k, v in merged.items() if k != "params"})
     engine.algo.refresh(opt.param_groups)
-    steps, member = engine.steps, engine.member.index
-    hold = rebuild.pending(engine)  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    engine.holding = engine.holding or hold
-    for shard in engine.shards():
-        names = engine.names(shard)
+    steps, member = engine.steps, engine.table.member
+    hold = engine.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    engine.layout.holding = engine.layout.holding or hold
+    for shard in engine.layout.shards():
+        names = engine.layout.names(shard)
         # the state itself where it is fp32, else a region to encode from: every slot of the optimizer's
         # rows is filled below (this rank's runs, the tail from rank 0), so nothing needs decoding first
         regions = {name: shard.live(name, member) if shard.live(name, member) is not None else
                    torch.zeros(shard.layout.region_size, dtype=torch.float32, device=shard.device) for name in names}
         me = shard.layout.rank
         for local, gpid in enumerate(shard.layout.pids):
-            pid = engine.local_of.get(gpid)
+            pid = engine.table.local_of.get(gpid)
             if pid is None:
                 continue  # another optimizer's parameter
             saved = values[pid]
@@ -317,7 +316,7 @@ def _apply(engine, groups, values) -> None:
         layout = shard.layout
         if layout.tail and layout.world_size > 1 and names:
             tail = torch.stack([regions[n][slice(*layout.region_tail(me))] for n in names])
-            collectives.broadcast(tail, 0, engine.topology.shard_group)
+            collectives.broadcast(tail, 0, engine.ranks.topology.shard_group)
             for f, n in enumerate(names):
                 regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere

@@ -72,7 +72,7 @@ class Versions:
         self.waiting = False
 
     def publish(self, engine, events: tuple, by_step: bool = True) -> None:
-        shards = engine.shards()
+        shards = engine.layout.shards()
         key = tuple((id(s), tuple(id(p.state) for p in s.parts)) for s in shards)
         if not self._frozen or self._frozen[0] != key:  # the frozen dicts of the last key are alive: no id reuse
             frozen = {id(s): s.frozen() for s in shards}

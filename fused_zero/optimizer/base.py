@@ -32,10 +32,10 @@ class _ShardedState(Mapping):
 
     def __init__(self, view):
         self._view = view  # this optimizer's share of the engine (pipeline/members.py)
-        self._index = {id(p): i for i, p in enumerate(view.params)}
+        self._index = {id(p): i for i, p in enumerate(view.table.params)}
 
     def _stepped(self):
-        return [i for i in range(len(self._view.params)) if canonical.has_state(self._view, i)]
+        return [i for i in range(len(self._view.table.params)) if canonical.has_state(self._view, i)]
 
     def __getitem__(self, param):
         i = self._index.get(id(param))
@@ -44,7 +44,7 @@ class _ShardedState(Mapping):
         return canonical.local_entry(self._view, i) if canonical.has_state(self._view, i) else {}
 
     def __iter__(self):
-        return iter([self._view.params[i] for i in self._stepped()])
+        return iter([self._view.table.params[i] for i in self._stepped()])
 
     def __len__(self):
         return len(self._stepped())
@@ -163,8 +163,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
         grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
         unscaling) are honored as torch.optim honors them (pipeline/step_end/step_policy.py)."""
-        e = self._attached_engine("_reads_grad_at_step")
-        return e.overlap == "step" and e.grad_reduce == "all_reduce"
+        options = self._attached_engine("_reads_grad_at_step").options
+        return options.overlap == "step" and options.grad_reduce == "all_reduce"
 
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -252,13 +252,13 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """
         engine = self._attached_engine("memory()")
         view = self._view
-        parts = [part for s in view.shards() for part in view.parts(s)]
-        numel = sum(p.numel() for p in view.params)
-        masters = sum(p.numel() * 4 for p in view.params if engine.options.keeps_master(p.dtype))
+        parts = [part for s in view.layout.shards() for part in view.layout.parts(s)]
+        numel = sum(p.numel() for p in view.table.params)
+        masters = sum(p.numel() * 4 for p in view.table.params if engine.options.keeps_master(p.dtype))
         return {
             "state": sum(t.numel() * t.element_size() for part in parts  # + what is kept beside the regions
                          for t in (*part.state.values(), *part.scales.values())) + self._algorithm.bytes_kept(),
-            "reference_state": self._algorithm.reference_bytes(view.params) + masters,
+            "reference_state": self._algorithm.reference_bytes(view.table.params) + masters,
             # the flat parameter buffers are the DDP module's, shared by its optimizers
             "param_buffers": sum(s.param_buffer.numel() * s.param_buffer.element_size() for s in engine.shards()),
             "elements": numel,

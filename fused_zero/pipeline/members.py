@@ -10,9 +10,11 @@ overlap="step" its update runs then: stepping.py), its overflow skip and skip co
 gradients, as one ``clip_grad_norm_(model.parameters())`` before the steps does (docs/design-optimizers.md,
 "Several optimizers, each torch.optim's own").
 
-``MemberView`` is one member's share as the checkpoint side reads it (checkpoint/*): its parameters in
-its own order (local indices ``i``, as its state dict numbers them), its groups and algorithm, the shards
-holding its state and its state names there; the rest is the engine's.
+``MemberView`` is one member's share as the checkpoint side reads it (checkpoint/*), in narrow faces
+rather than the engine: its optimizer and algorithm, its parameter table (its parameters in its own
+order, local indices ``i`` as its state dict numbers them), its ranks, its state's layout (the shards
+holding its state, its parts and names there), its step counts. tests/test_package_layout.py holds every
+module outside pipeline/ to at most 8 attributes of the engine or of such a view.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .buckets import rebuild
 from .step_end.amp import ScalerLink
 
 
@@ -49,62 +52,100 @@ class Member:
         return f"{type(self.opt).__name__} (optimizer {self.index} over this DDP module)"
 
 
-class MemberView:
-    """One member's share of an engine (module docstring). ``params``, ``steps``, ``group_of`` and
-    ``state_formats`` are indexed by the member's own parameter order."""
+@dataclass(frozen=True)
+class Ranks:
+    """Who holds a member's state: the optimizer's process group, this rank in it, the device of its
+    state and how the group is cut into shard groups (buckets/topology.py)."""
+
+    world: int
+    rank: int
+    group: object
+    device: object
+    topology: object
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """A member's parameters in its own order (local indices ``i``, as its state dict numbers them) and
+    what each is to the engine: its index there (``pids``; ``local_of`` back), its param group, its
+    state format; ``member`` the member's index, ``engine_params`` every parameter of the engine (what
+    the parts' row tables index)."""
+
+    params: list
+    pids: np.ndarray
+    local_of: dict
+    group_of: np.ndarray
+    group_formats: list
+    state_formats: list
+    member: int
+    engine_params: list
+
+
+class StateLayout:
+    """Where a member's state lives: the shards of the buckets holding its parameters, its parts and
+    state names in each, where each parameter is, and whether 8-bit moments are held in fp32 since a
+    load (``holding``: the engine's, read and set) and whether DDP's rebuild, which makes it so, is to come."""
 
     def __init__(self, engine, member: Member):
-        self.engine = engine
-        self.member = member
-        self.opt, self.algo = member.opt, member.algo
-        self.pids = member.pids
-        self.params = [engine.params[pid] for pid in member.pids]
-        self.local_of = {int(pid): i for i, pid in enumerate(member.pids)}
-        self.group_of = engine.group_of[member.pids]
-        self.group_formats = member.group_formats
-        self.state_formats = [engine.state_formats[pid] for pid in member.pids]
-
-    # the engine's, unchanged
-    world = property(lambda self: self.engine.world)
-    rank = property(lambda self: self.engine.rank)
-    group = property(lambda self: self.engine.group)
-    device = property(lambda self: self.engine.device)
-    topology = property(lambda self: self.engine.topology)
-    side = property(lambda self: self.engine.side)
-    iteration = property(lambda self: self.engine.iteration)
-    ddp = property(lambda self: self.engine.ddp)
-    local = property(lambda self: self.engine.local)
-
-    @property
-    def holding(self) -> bool:
-        return self.engine.holding
-
-    @holding.setter
-    def holding(self, value: bool) -> None:
-        self.engine.holding = value
-
-    def synchronize(self) -> None:
-        self.engine.synchronize()
-
-    def where(self, i: int):
-        """``(shard, index in the bucket)`` of the member's parameter ``i``."""
-        return self.engine.registry.where[int(self.pids[i])]
+        self._engine, self._member = engine, member
 
     def shards(self) -> list:
         """The shards of the buckets holding some of the member's parameters, in the engine's order: the
         same on every rank, whether or not its region holds rows of them (collectives follow this order)."""
-        return [s for s in self.engine.shards() if (s.members == self.member.index).any()]
+        return [s for s in self._engine.shards() if (s.members == self._member.index).any()]
 
     def parts(self, shard) -> list:
-        return [p for p in shard.parts if p.member == self.member.index]
+        return [p for p in shard.parts if p.member == self._member.index]
 
     def names(self, shard) -> list[str]:
         """The member's state names in ``shard`` (its algorithm's, then ``"master"`` where kept)."""
-        return self.algo.state_names() + (["master"] if "master" in shard.names else [])
+        return self._member.algo.state_names() + (["master"] if "master" in shard.names else [])
+
+    def where(self, i: int):
+        """``(shard, index in the bucket)`` of the member's parameter ``i``."""
+        return self._engine.registry.where[int(self._member.pids[i])]
+
+    def rebuild_pending(self) -> bool:
+        """Whether DDP will still rebuild its buckets (a load then holds 8-bit moments in fp32 until it:
+        buckets/rebuild.py)."""
+        return rebuild.pending(self._engine)
+
+    @property
+    def holding(self) -> bool:
+        return self._engine.holding
+
+    @holding.setter
+    def holding(self, value: bool) -> None:
+        self._engine.holding = value
+
+
+class MemberView:
+    """One member's share of an engine as the checkpoint side reads it, in narrow faces (module
+    docstring): ``opt`` and ``algo``; ``table`` (ParamTable), ``ranks`` (Ranks), ``layout``
+    (StateLayout); the step counts (``counts()``, ``steps``); ``synchronize()``; and, for the
+    checkpoint server's thread, ``side`` and ``iteration``."""
+
+    def __init__(self, engine, member: Member):
+        self._engine = engine
+        self.opt, self.algo = member.opt, member.algo
+        self._pids = member.pids
+        self.table = ParamTable(
+            params=[engine.params[pid] for pid in member.pids], pids=member.pids,
+            local_of={int(pid): i for i, pid in enumerate(member.pids)}, group_of=engine.group_of[member.pids],
+            group_formats=member.group_formats, state_formats=[engine.state_formats[pid] for pid in member.pids],
+            member=member.index, engine_params=engine.params)
+        self.ranks = Ranks(engine.world, engine.rank, engine.group, engine.device, engine.topology)
+        self.layout = StateLayout(engine, member)
+
+    side = property(lambda self: self._engine.side)
+    iteration = property(lambda self: self._engine.iteration)
+
+    def synchronize(self) -> None:
+        self._engine.synchronize()
 
     def counts(self) -> np.ndarray:
         """The member's step counts on the host (a wait for the device, once until they change)."""
-        return self.engine.step_counts.host()[self.pids]
+        return self._engine.step_counts.host()[self._pids]
 
     @property
     def steps(self) -> np.ndarray:
@@ -112,6 +153,6 @@ class MemberView:
 
     @steps.setter
     def steps(self, value) -> None:
-        full = self.engine.steps
-        full[self.pids] = value
-        self.engine.steps = full
+        full = self._engine.steps
+        full[self._pids] = value
+        self._engine.steps = full
