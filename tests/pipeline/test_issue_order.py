@@ -28,7 +28,7 @@ from test_stream_order import train
 from fused_zero.pipeline.comm import collectives
 from fused_zero.testing.streamcheck import StreamChecker
 
-REDUCTION = os.path.join("fused_zero", "pipeline", "reduction.py")
+REDUCTION = os.path.join("fused_zero", "pipeline", "reducing", "reduction.py")
 
 
 def _reduction_line() -> str | None:
