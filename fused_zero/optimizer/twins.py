@@ -1,5 +1,5 @@
 """fused_zero's twins of torch.optim's elementwise optimizers (update/elementwise.py): Adagrad, Adadelta,
-Adamax, ASGD, NAdam, RAdam, RMSprop and Rprop.
+Adamax, ASGD, NAdam, RAdam, RMSprop and Rprop; and of Adafactor (update/adafactor.py).
 
 Each takes torch.optim.<Name>'s arguments, positional and keyword, with the installed torch's defaults
 and checks: its arguments go through torch.optim.<Name>'s own constructor (over one scalar stand-in
@@ -33,9 +33,12 @@ NO_TWIN = {
 """torch.optim's optimizers without a fused_zero twin, and why (``fused_zero.LBFGS`` raises it)."""
 
 
+def _spec(name: str):
+    return ADAFACTOR if name == "Adafactor" else SPECS[name]
 
-def _torch_defaults(cls: type, name: str, args: tuple, kwargs: dict) -> dict:
-    """torch.optim.<name>'s ``defaults`` for these arguments, its own checks run on them."""
+
+def _torch_defaults(cls: type, args: tuple, kwargs: dict) -> dict:
+    """The torch.optim class's ``defaults`` for these arguments, its own checks run on them."""
     stand_in = torch.zeros((), requires_grad=True)
     return dict(cls([stand_in], *args, **kwargs).defaults)
 
@@ -44,10 +47,10 @@ class _Twin(_ShardedOptimizer):
     _spec_name: str
 
     def __init__(self, params, *args, ddp=None, **kwargs):
-        spec = ADAFACTOR if self._spec_name == "Adafactor" else SPECS[self._spec_name]
+        spec = _spec(self._spec_name)
         accepted = inspect.signature(spec.torch_class.__init__).parameters
         torch_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in accepted and k not in ("self", "params")}
-        defaults = _torch_defaults(spec.torch_class, spec.name, args, torch_kwargs)
+        defaults = _torch_defaults(spec.torch_class, args, torch_kwargs)
         super().__init__(params, defaults)
         algorithm = AdafactorAlgorithm(self.param_groups, self.defaults) if spec is ADAFACTOR else \
             ElementwiseAlgorithm(spec, self.param_groups, self.defaults)
@@ -59,7 +62,7 @@ class _Twin(_ShardedOptimizer):
 
 
 def _twin(name: str) -> type:
-    spec = ADAFACTOR if name == "Adafactor" else SPECS[name]
+    spec = _spec(name)
     signature = inspect.signature(spec.torch_class.__init__)
     doc = (f"torch.optim.{name}, sharded across DDP ranks: its arguments, defaults and checks (the installed "
            f"torch's), its update (torch's own, over this rank's slices of the buckets) and its state dict; "
