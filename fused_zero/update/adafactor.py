@@ -119,17 +119,7 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
         lists = {"row_vars": [k.get("row_var") for k in kept], "col_vars": [k.get("col_var") for k in kept],
                  "variances": [k.get("variance") for k in kept],
                  "state_steps": [torch.tensor(s, dtype=torch.float32) for s in steps]}
-        kwargs = {}
-        for name in self._keywords:
-            if name in ("grad_scale", "found_inf"):
-                kwargs[name] = None
-            elif name == "has_complex":
-                kwargs[name] = False
-            elif name in self.spec.renames:
-                kwargs[name] = self.spec.renames[name](group)
-            elif name in group:
-                kwargs[name] = group[name]
-        self.spec.function(params, grads, **lists, **kwargs)
+        self.spec.function(params, grads, **lists, **self.keywords(group))
 
 
 __all__ = ["SPEC", "AdafactorAlgorithm"]

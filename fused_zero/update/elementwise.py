@@ -36,7 +36,7 @@ import torch
 
 from . import muon
 from .algorithms import Algorithm
-from .torch_ops import _Moments
+from .torch_ops import _Moments, working_weights
 
 COLUMNS = ("active", "grad_div", "step")
 """The coefficient table's columns: the norm pass reads the first two (kernels.grad_sumsq), the update
@@ -245,7 +245,7 @@ class ElementwiseAlgorithm(Algorithm):
     def update(self, backend, rows, segments, coefs, args) -> None:
         """This launch's pieces: one call of torch's function per param group, over every active
         parameter with a piece here."""
-        if args.found_inf is not None and float(args.found_inf) != 0.0:
+        if _skipped(args):
             return
         table = coefs.tolist()
         inv = muon.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
@@ -255,16 +255,10 @@ class ElementwiseAlgorithm(Algorithm):
             c = table[pid]
             if c[0] == 0.0:
                 continue
-            g = int(args.group_of[pid])
-            hp = args.hparams[g]
-            call = calls.setdefault(g, _Call(self, hp))
+            call = self._call(calls, args, pid)
+            hp = call.group
             first = c[2] == 1.0
-            if master is not None:
-                p = master[so:so + n]
-            elif args.param.dtype == torch.float32:
-                p = args.param[po:po + n]
-            else:
-                p = args.param[po:po + n].float()
+            p = working_weights(master, so, args.param, po, n)
             moments = _Moments(args, so, n, 0, 0)
             states = {}
             for name in self._names:
@@ -288,9 +282,7 @@ class ElementwiseAlgorithm(Algorithm):
         """Advance the kept scalars of ``pids`` (the member's parameters of the buckets just updated,
         every rank's same list) whose row is active, unless the step was skipped: torch's function over
         empty tensors, so that each rank holds every parameter's values (module docstring)."""
-        if not self.spec.scalars:
-            return
-        if args.found_inf is not None and float(args.found_inf) != 0.0:
+        if not self.spec.scalars or _skipped(args):
             return
         values = table.tolist()
         device = table.device
@@ -299,16 +291,42 @@ class ElementwiseAlgorithm(Algorithm):
             c = values[pid]
             if c[0] == 0.0:
                 continue
-            g = int(args.group_of[pid])
-            hp = args.hparams[g]
-            call = calls.setdefault(g, _Call(self, hp))
-            empty = torch.empty(0, dtype=torch.float32, device=device)
-            states = {name: torch.empty(0, dtype=torch.float32, device=device)
-                      for name in self._names if self.group_has(name, hp)}
-            scalars = {name: self.scalar(pid, name, hp, device) for name in self.spec.scalars}
-            call.add(empty, torch.empty(0, dtype=torch.float32, device=device), states, scalars, c[2] - 1, None)
+            call = self._call(calls, args, pid)
+            states = {name: _empty(device) for name in self._names if self.group_has(name, call.group)}
+            scalars = {name: self.scalar(pid, name, call.group, device) for name in self.spec.scalars}
+            call.add(_empty(device), _empty(device), states, scalars, c[2] - 1, None)
         for call in calls.values():
             call.run(self.spec.function)
+
+    def _call(self, calls: dict, args, pid: int) -> _Call:
+        """The call of torch's function for engine parameter ``pid``'s param group (made at its first
+        parameter), with the group's values as this step reads them."""
+        g = int(args.group_of[pid])
+        if g not in calls:
+            calls[g] = _Call(self, args.hparams[g])
+        return calls[g]
+
+    def keywords(self, group: dict) -> dict:
+        """torch's function's keyword arguments for a param group: the ones the sharded step fixes
+        (``_FIXED``), the renamed ones, the group's own."""
+        out = {}
+        for name in self._keywords:
+            if name in _FIXED:
+                out[name] = _FIXED[name]
+            elif name in self.spec.renames:
+                out[name] = self.spec.renames[name](group)
+            elif name in group:
+                out[name] = group[name]
+        return out
+
+
+def _skipped(args) -> bool:
+    """Whether this step is skipped on every rank (some rank's gradients were not finite): a host read."""
+    return args.found_inf is not None and float(args.found_inf) != 0.0
+
+
+def _empty(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 class _Call:
@@ -316,7 +334,7 @@ class _Call:
 
     def __init__(self, algo: ElementwiseAlgorithm, group: dict):
         self.algo, self.group = algo, group
-        self.params, self.grads, self.steps = [], [], []
+        self.params, self.grads = [], []
         self.lists = {arg: [] for arg in algo.spec.lists}
         self.after = []  # what to store back once the function ran: (moments, states, param offset, piece)
 
@@ -334,18 +352,8 @@ class _Call:
             self.after.append(after)
 
     def run(self, function) -> None:
-        if not self.params:
-            return
-        spec, g = self.algo.spec, self.group
-        kwargs = {}
-        for name in self.algo._keywords:
-            if name in _FIXED:
-                kwargs[name] = _FIXED[name]
-            elif name in spec.renames:
-                kwargs[name] = spec.renames[name](g)
-            elif name in g:
-                kwargs[name] = g[name]
-        function(self.params, self.grads, **self.lists, **kwargs)
+        if self.params:
+            function(self.params, self.grads, **self.lists, **self.algo.keywords(self.group))
 
 
 def _runs(rows):

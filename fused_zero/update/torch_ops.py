@@ -114,6 +114,16 @@ class _Moments:
             self.args.scales[name][lo:hi] = scales[lo:hi]  # the others are 0: blocks of other runs
 
 
+def working_weights(master: torch.Tensor | None, so: int, param: torch.Tensor, po: int, n: int) -> torch.Tensor:
+    """A piece's fp32 weights as an update works on them: the masters' slots ``[so, so + n)`` where there
+    are masters, else the parameters' ``[po, po + n)``: themselves in fp32, an fp32 copy otherwise (the
+    caller rounds it back into the parameters)."""
+    if master is not None:
+        return master[so:so + n]
+    p = param[po:po + n]
+    return p if p.dtype == torch.float32 else p.float()
+
+
 def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
           nesterov: bool = False) -> None:
     if args.found_inf is not None and float(args.found_inf) != 0.0:
@@ -128,12 +138,7 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
         c = table[pid]
         if c[0] == 0.0:  # inactive: no gradient this step
             continue
-        if master is not None:
-            p = master[so:so + n]
-        elif args.param.dtype == torch.float32:
-            p = args.param[po:po + n]
-        else:
-            p = args.param[po:po + n].float()
+        p = working_weights(master, so, args.param, po, n)
         moments = _Moments(args, so, n, first, k)
         if kind == "adam":
             _adam_row(args, c, p, moments, n, go, maximize, amsgrad)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...update import muon
+from ...update.torch_ops import working_weights
 from ..buckets.strides import strided_view
 from ..comm import collectives
 from ..comm.profiling import range_push
@@ -69,12 +70,7 @@ class WholeParams:
                 continue
             p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
             grad = muon.gradient(grads[off:off + n], c[1], inv, clip)
-            if masters is not None:
-                weight = masters[off:off + n]
-            elif shard.param_buffer.dtype == torch.float32:
-                weight = shard.param_buffer[off:off + n]
-            else:
-                weight = shard.param_buffer[off:off + n].float()
+            weight = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
             call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], []))
             for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, c[2] - 1,
                                          (weight, off, n))):
