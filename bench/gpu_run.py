@@ -1327,7 +1327,8 @@ def _watchdog(run: Run) -> None:
         _stop(run, f"the watchdog: {run.budget + GRACE:.0f} s since the start", 3)
 
     threading.Thread(target=watch, daemon=True, name="gpu_run watchdog").start()
-    signal.signal(signal.SIGTERM, lambda *_: _stop(run, "SIGTERM", 128 + signal.SIGTERM))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # timeout(1)'s signals: the lines so far and a summary
+        signal.signal(sig, lambda number, _: _stop(run, signal.Signals(number).name, 128 + number))
 
 
 def main(argv=None) -> int:

@@ -5,11 +5,11 @@
 (WORKDIR: where the steps' files are, when not in OUTDIR; gpu_check.sh bundles them afterwards)
 
 - every step's status (status.txt: "<step> <exit code or 'skipped'> <seconds> [limit]"), failures named;
-- the GPU tests passed / failed / skipped (gpu-*.xml, pytest's JUnit XML, one per gpu_check.sh step);
-- the kernels' GB/s as a share of the same run's device copy of the same bytes, at 1M-256M elements
-  (bench-kernels.json);
-- the bf16 + master AdamW step against torch's fused AdamW with the casts it needs (same file);
-- the iteration against DDP + torch's fused AdamW, per model (bench-step.json);
+- the GPU tests passed / failed / skipped (gpu-*.xml, pytest's JUnit XML, one per gpu_check.sh step; a
+  step stopped at its limit still leaves the cases it finished);
+- the tolerances the two measured cases used (tolerances.json, bench/gpu_tolerance.py);
+- bench/gpu_run.py's run (OUTDIR/run.jsonl, the run set): complete or not, its measurements, skips and
+  errors, and where its summary is (OUTDIR/summary.md: the kernels, the iterations, the traces);
 - ``step()`` eager against replayed from a CUDA graph: host time per step and iteration (bench-graph.json).
 
 Exits 1 when a step failed (a non-zero exit code in status.txt), else 0; missing files are reported as
@@ -22,10 +22,6 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
-KERNEL_SIZES = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
-FUSED = ["adamw-fp32", "adamw-bf16master", "sgd-fp32", "sgd-bf16master"]
-COPY_OF = {"adamw": "copy-28B", "adam": "copy-28B", "sgd": "copy-20B"}
 
 
 def read_status(out: Path) -> list[tuple[str, str, str]]:
@@ -73,53 +69,38 @@ def _benchmarks(path: Path) -> list[dict]:
     return json.loads(path.read_text()).get("benchmarks", [])
 
 
-def kernel_table(out: Path) -> list[str]:
-    rows = {(b["extra_info"].get("provider"), b["extra_info"].get("size")): b
-            for b in _benchmarks(out / "bench-kernels.json")
-            if "provider" in (b.get("extra_info") or {}) and "GB/s" in b["extra_info"]}
-    if not rows:
-        return ["kernels: no results (bench-kernels.json missing or empty)"]
-    lines = ["kernel GB/s, and as a share of the same run's copy of the same bytes:",
-             f"  {'elements':>9}" + "".join(f"{p:>22}" for p in FUSED)]
-    for size in KERNEL_SIZES:
-        cells = []
-        for p in FUSED:
-            b, copy = rows.get((p, size)), rows.get((COPY_OF[p.split("-")[0]], size))
-            if b is None:
-                cells.append(f"{'-':>22}")
-                continue
-            gbs = b["extra_info"]["GB/s"]
-            share = f" {gbs / copy['extra_info']['GB/s']:.0%}" if copy else ""
-            cells.append(f"{gbs:>16.0f}{share:>6}")
-        lines.append(f"  {size >> 20:>8}M" + "".join(cells))
-    lines.append("bf16 + master AdamW step, median ms: fused_zero vs torch fused AdamW + grad/param casts")
-    for size in KERNEL_SIZES:
-        ours, theirs = rows.get(("adamw-bf16master", size)), rows.get(("torch-fused-adamw-bf16master", size))
-        if ours and theirs:
-            a, b = ours["stats"]["median"] * 1e3, theirs["stats"]["median"] * 1e3
-            lines.append(f"  {size >> 20:>8}M  {a:8.3f} vs {b:8.3f}  (torch / fused_zero {b / a:.2f})")
+def tolerance_lines(out: Path) -> list[str]:
+    path = out / "tolerances.json"
+    if not path.exists():
+        return ["tolerances: not measured (no tolerances.json): the two cases kept today's"]
+    data = json.loads(path.read_text())
+    lines = [f"tolerances ({data.get('rule')}, factor {data.get('factor')}, {data.get('device')}):"]
+    for name, case in data.get("cases", {}).items():
+        lines.append(f"  {name}: torch fused vs single {case['torch_fused_vs_single']:.3g} "
+                     f"(foreach {case['torch_foreach_vs_single']:.3g}); today {case['today']:.3g} -> "
+                     f"{case['tolerance']:.3g}")
     return lines
 
 
-def iteration_table(out: Path) -> list[str]:
-    runs = [b for b in _benchmarks(out / "bench-step.json")
-            if (b.get("params") or {}).get("measure") == "iteration" and "system" in b["params"]]
-    if not runs:
-        return ["iteration: no results (bench-step.json missing or empty)"]
-    by_model: dict[str, dict[str, float]] = {}
-    for b in runs:
-        by_model.setdefault(b["params"]["model"], {})[b["params"]["system"]] = b["stats"]["median"] * 1e3
-    lines = ["iteration median ms vs DDP + torch fused AdamW (ratio: fused_zero / DDP):"]
-    for model, systems in by_model.items():
-        base = systems.get("ddp+torch-adamw")
-        cells = []
-        for system, ms in systems.items():
-            if system == "ddp+torch-adamw":
-                continue
-            ratio = f" ({ms / base:.2f})" if base else ""
-            cells.append(f"{system.replace('fused_zero-', 'fz-')} {ms:.2f}{ratio}")
-        lines.append(f"  {model}: ddp {base:.2f}; " + "; ".join(cells) if base else f"  {model}: " + "; ".join(cells))
-    return lines
+def program_lines(out: Path) -> list[str]:
+    """bench/gpu_run.py's lines (the run set writes them to OUTDIR itself), in a few words."""
+    path = out / "run.jsonl"
+    if not path.exists():
+        return []
+    kinds: dict[str, int] = {}
+    bad = 0
+    for raw in path.read_text().splitlines():
+        try:
+            kind = json.loads(raw).get("kind")
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    state = "complete" if kinds.get("end") else "stopped" if kinds.get("abort") else "incomplete (killed?)"
+    measured = sum(n for k, n in kinds.items() if k not in ("env", "section", "skip", "error", "abort", "end"))
+    return [f"gpu_run: {state}, {measured} measurements, {kinds.get('skip', 0)} skipped, {kinds.get('error', 0)} "
+            f"errors{f', {bad} torn lines' if bad else ''}; the tables: summary.md (python3 bench/gpu_run.py "
+            f"--summarize run.jsonl renders them again)"]
 
 
 def graph_table(out: Path) -> list[str]:
@@ -142,12 +123,19 @@ def main(out: Path, work: Path | None = None) -> int:
     failed = failed_steps(rows)
     print("=" * 100)
     print("steps: " + " | ".join(f"{n} {'ok' if c == '0' else c} {s}s" for n, c, s in rows))
-    for part in (test_counts, kernel_table, iteration_table, graph_table):
+    steps = {name for name, _, _ in rows}
+    parts = [(test_counts, data, any(n.startswith("gpu-") and n not in ("gpu-run", "gpu-tolerance") for n in steps)),
+             (tolerance_lines, data, "gpu-tolerance" in steps), (program_lines, out, True),
+             (graph_table, data, "bench-graph" in steps)]
+    for part, where, this_set in parts:  # the parts of the set that ran (every part without a status)
+        if rows and not this_set:
+            continue
         try:  # one unreadable file must not hide the rest of the summary
-            out_lines = part(data)
+            out_lines = part(where)
         except Exception as e:
             out_lines = f"{part.__name__}: unreadable ({type(e).__name__}: {e})"
-        print(out_lines if isinstance(out_lines, str) else "\n".join(out_lines))
+        if out_lines:
+            print(out_lines if isinstance(out_lines, str) else "\n".join(out_lines))
     print(("FAILED steps: " + ", ".join(failed)) if failed else "every step passed")
     print("=" * 100)
     return 1 if failed else 0
