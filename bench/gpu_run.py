@@ -307,13 +307,16 @@ def section_env(run: Run, sec: Section) -> None:
 
     cuda = torch.cuda.is_available() and not run.dry
     if not cuda and not run.dry:
+        run.rec.emit("error", what="env", error="CUDA is not available; --dry-run runs the program on the CPU")
         raise SystemExit("gpu_run: CUDA is not available; --dry-run runs the program on the CPU")
+    interpret = os.environ.pop("TRITON_INTERPRET", None) if cuda else None  # the GPU runs the compiled kernels
     import triton
 
     info = dict(dry_run=run.dry, device="cuda" if cuda else "cpu", torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
                 triton_cache=cache, triton_cache_entries_at_start=entries,
                 triton_interpret=os.environ.get("TRITON_INTERPRET") == "1", plan=PLAN, budget=run.budget,
+                triton_interpret_unset=interpret,
                 commit=_git_commit(), argv=sys.argv[1:], started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 cpu_count=os.cpu_count())
     if cuda:
@@ -1386,6 +1389,9 @@ def main(argv=None) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    if run.group_file:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(run.group_file)
     return 0
 
 
