@@ -50,9 +50,10 @@ KERNEL_RTOL, KERNEL_ATOL = 2e-5, 2e-6
 ENGINE_BF16_RTOL, ENGINE_BF16_ATOL = 2 ** -7, 1e-5
 """``_engine_parity`` on bf16 parameters: a few bf16 ulps; a skipped or doubled step is ~lr away."""
 TOLERANCE_FACTOR = 2
-"""How far past torch's own fused-vs-single distance a case's tolerance may go: the kernels round as
-torch's single-tensor path does (no FMA), so they sit no further from it than torch's fused path; twice
-its distance leaves room for the few elements a rounding flips landing elsewhere."""
+"""How far past torch's own fused-vs-single distance a case's tolerance may go. The kernels round every
+product and sum as written (FP fusion off); torch's single-tensor path fuses multiply-adds within each
+op, its fused path across ops too: the kernels are expected no further from single than fused is, and
+twice its distance leaves room for the few elements a rounding flips landing elsewhere."""
 MEASURED = {"kernel_adam_amsgrad_bf16": KERNEL_ATOL, "engine_bf16": ENGINE_BF16_ATOL}
 """The two cases whose tolerance the GPU measures (bench/gpu_tolerance.py), with today's atol each."""
 
