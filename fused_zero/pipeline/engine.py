@@ -157,7 +157,7 @@ class Engine(Stepping):
         self.group, self.world, self.rank = topo.group, topo.world, topo.rank
         topo.check_reduce_dtype(self.options.grad_reduce_dtype, self.device)
         self.side = SideStream(self.device)
-        capturable = any(getattr(opt, "_capturable", False) for opt, _, _ in members)
+        capturable = any(m.captured for m in self.members)
         if capturable:
             check_capturable(self, ddp)
         # what the device work writes besides the state: kept across steps where a graph replays it

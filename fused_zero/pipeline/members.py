@@ -51,6 +51,13 @@ class Member:
     def name(self) -> str:
         return f"{type(self.opt).__name__} (optimizer {self.index} over this DDP module)"
 
+    @property
+    def captured(self) -> bool:
+        """Whether its ``step()``'s device work is replayed from a CUDA graph (it was built with
+        ``capturable=True``: AdamW and Adam, whose update is the fused kernel); the other members of
+        the engine step eagerly beside it (pipeline/step_end/step_graph.py)."""
+        return self.opt._capturable
+
 
 @dataclass(frozen=True)
 class Ranks:

@@ -121,5 +121,60 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
                  "state_steps": [torch.tensor(s, dtype=torch.float32) for s in steps]}
         self.spec.function(params, grads, **lists, **self.keywords(group))
 
+    def step_on_device(self, params: list[torch.Tensor], grads: list[torch.Tensor], pids: list[int],
+                       steps: list[torch.Tensor], keep: list[torch.Tensor], group: dict) -> None:
+        """``step`` where the host must not read the device (CUDA): ``steps`` are the counts after this
+        step and ``keep`` whether each parameter's update is written, device tensors. torch's Adafactor reads
+        its step count and two norms per parameter on the host (``.item()``: a wait for the device each,
+        inside DDP's comm hook in the default modes); here the same values stay on the device
+        (``device_step``). The statistics are updated in copies and written where ``keep``; the caller
+        does the same with ``params``."""
+        keywords = self.keywords(group)
+        for param, grad, pid, step, ok in zip(params, grads, pids, steps, keep):
+            kept = self.statistics(pid, param)
+            work = {name: t.clone() for name, t in kept.items()}
+            device_step(param, grad, work, step, **keywords)
+            for name, t in kept.items():
+                torch.where(ok, work[name], t, out=t)
 
-__all__ = ["SPEC", "AdafactorAlgorithm"]
+
+def device_step(param: torch.Tensor, grad: torch.Tensor, kept: dict[str, torch.Tensor], step: torch.Tensor, *,
+                d: float, lr, beta2_decay: float, weight_decay: float, eps1: float | None, eps2: float,
+                maximize: bool, **_) -> None:
+    """torch's ``_single_tensor_adafactor`` on one parameter, op for op, with ``step`` (the count after
+    this step) a device tensor. The scalars torch computes in Python floats from ``step_t.item()`` and from
+    the norms' ``.item()`` are computed on the device in float64, by the same IEEE operations where torch's
+    are (division, square root, min, max); ``step ** beta2_decay`` is the device's ``pow`` (within an ulp of
+    the host's), and ``param.add_(update, alpha=-alpha / denom)`` becomes a multiply-add by the float32
+    value that alpha rounds to. So the bits are torch's but for those two roundings (docs/optimizers.md)."""
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)
+    if maximize:
+        grad = -grad
+    if eps1 is None:
+        eps1 = torch.finfo(param.dtype).eps
+    count = step.double()
+    one_minus_beta2_t = count.pow(beta2_decay).float()
+    rho_t = count.sqrt().reciprocal().clamp(max=lr)  # min(lr, 1 / step ** 0.5)
+    alpha = (param.norm(2).double() / (param.numel() ** 0.5)).clamp(min=eps2).mul(rho_t)
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    if grad.dim() > 1:
+        row_var, col_var = kept["row_var"], kept["col_var"]
+        row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
+        row_var.lerp_(row_mean, one_minus_beta2_t)
+        col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
+        col_var.lerp_(col_mean, one_minus_beta2_t)
+        var_estimate = row_var @ col_var
+        var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        variance = kept["variance"]
+        variance.lerp_(grad * grad, one_minus_beta2_t)
+        var_estimate = variance.clone()
+    update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+    update.mul_(grad)
+    denom = (update.norm(2).double() / ((update.numel() ** 0.5) * d)).clamp(min=1.0)
+    param.addcmul_(update, alpha.neg().div(denom).float())
+
+
+__all__ = ["SPEC", "AdafactorAlgorithm", "device_step"]

@@ -31,6 +31,8 @@ class UpdateArgs:
     blocks: object = None  # the launch's formats.BlockTable: what the torch backend cuts runs and blocks by
     hparams: list[dict] | None = None  # the member's param groups as this step reads them (torch's own updates)
     group_of: object = None  # each engine parameter's param group in its member (numpy)
+    grad_div: object = None  # what each engine parameter's reduced gradient is divided by (numpy; the host's)
+    asynchronous: bool = False  # the device runs later (CUDA): the host must not read the table or the flags
 
 
 class Algorithm:

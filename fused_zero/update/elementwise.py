@@ -21,8 +21,17 @@ What torch keeps per parameter beside the tensors is kept here, replicated on ev
   empty tensors, once per parameter and step, on every rank (the scalars' ops are then the only ones
   with elements).
 
-The host reads the coefficient table (active flags, step counts) and the skip flag of each launch: free
-on the CPU, one wait for the device per launch on CUDA (docs/optimizers.md).
+Two ways to run, as the host may read the device or not:
+* on the CPU (the device is the host: reads are free) the host reads the coefficient table (active
+  flags, step counts) and the skip flag, skips what torch.optim skips and hands the function the step
+  counts as the fresh float32 host tensors torch.optim keeps: torch.optim's bits, call for call;
+* where the device runs later (CUDA: ``UpdateArgs.asynchronous``) the host reads nothing (a read would
+  make the backward wait for the device inside DDP's comm hook). Every piece of the launch runs into
+  working copies, with the step counts as device tensors through torch's own device-count path of the
+  function (``capturable=True``; Adagrad, which has none, through torch's fused kernel, which takes device
+  counts), and ``torch.where`` writes the results only where the parameter got a gradient and the step
+  is not skipped (the flags stay on the device, as Muon's: pipeline/updating/whole_matrix.py). Its bits
+  are torch.optim.<Name>(capturable=True)'s (Adagrad: ``fused=True``'s); docs/optimizers.md has the cost.
 """
 
 from __future__ import annotations
@@ -34,13 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import muon
+from . import elementwise_calls as calls
 from .algorithms import Algorithm
-from .torch_ops import _Moments, working_weights
-
-COLUMNS = ("active", "grad_div", "step")
-"""The coefficient table's columns: the norm pass reads the first two (kernels.grad_sumsq), the update
-all three (``step``: the count once this step counts, written on the device by ``fill_steps``)."""
+from .elementwise_calls import COLUMNS, _lr
 
 
 @dataclass(frozen=True)
@@ -125,12 +130,9 @@ SPECS = {spec.name: spec for spec in (
 _FIXED = {"grad_scale": None, "found_inf": None, "has_complex": False, "has_sparse_grad": False,
           "differentiable": False, "capturable": False}
 """Functional arguments the sharded step always passes: the gradient arrives unscaled (GradScaler's
-unscale_ as torch applies it to an optimizer without a fused step), real, dense; the counts are
-fresh host tensors, which torch's capturable path does not take (its results are the same)."""
-
-
-def _lr(value) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else value
+unscale_ as torch applies it to an optimizer without a fused step), real, dense; on the CPU the counts
+are fresh host tensors, which torch's non-capturable path takes (``capturable`` is set where they are
+device tensors: ``ElementwiseAlgorithm.keywords``)."""
 
 
 class ElementwiseAlgorithm(Algorithm):
@@ -176,9 +178,9 @@ class ElementwiseAlgorithm(Algorithm):
         """The kept 0-dim scalar ``name`` of engine parameter ``pid``, made as torch makes it at the
         parameter's first step (float32 on the parameters' device)."""
         kept = self.scalars[name]
-        if pid not in kept:
-            kept[pid] = torch.tensor(_lr(self.spec.initial[name](group, self.defaults)), dtype=torch.float32,
-                                     device=device)
+        if pid not in kept:  # a fill on the device, no copy from the host (a wait on CUDA)
+            kept[pid] = torch.full((), _lr(self.spec.initial[name](group, self.defaults)), dtype=torch.float32,
+                                   device=device)
         return kept[pid]
 
     @property
@@ -240,75 +242,25 @@ class ElementwiseAlgorithm(Algorithm):
     def compile(self, backend, rows, segments, coefs, args) -> None:
         """Nothing to compile: torch's own ops."""
 
-    # -- the update --------------------------------------------------------------------------------------
+    # -- the update (elementwise_calls.py) -------------------------------------------------------------
 
     def update(self, backend, rows, segments, coefs, args) -> None:
         """This launch's pieces: one call of torch's function per param group, over every active
-        parameter with a piece here."""
-        if _skipped(args):
-            return
-        table = coefs.tolist()
-        inv = muon.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
-        master = args.state.get("master")
-        calls: dict[int, _Call] = {}
-        for so, n, po, go, pid in _runs(rows):
-            c = table[pid]
-            if c[0] == 0.0:
-                continue
-            call = self._call(calls, args, pid)
-            hp = call.group
-            first = c[2] == 1.0
-            p = working_weights(master, so, args.param, po, n)
-            moments = _Moments(args, so, n, 0, 0)
-            states = {}
-            for name in self._names:
-                if not self.group_has(name, hp):
-                    continue
-                if first:  # made now, as torch makes it, in its storage format (Adagrad's start in bf16)
-                    moments.put(name, moments.get(name).fill_(self.fresh(name, hp)))
-                states[name] = moments.get(name)
-            scalars = {name: self.scalar(pid, name, hp, p.device).clone() for name in self.spec.scalars}
-            grad = muon.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
-            call.add(p, grad, states, scalars, c[2] - 1, (moments, states, po, p))
-        for call in calls.values():
-            call.run(self.spec.function)
-            for moments, states, po, p in call.after:
-                for name, value in states.items():
-                    moments.put(name, value)
-                if master is not None or args.param.dtype != torch.float32:
-                    args.param[po:po + p.numel()].copy_(p)
+        parameter with a piece here (module docstring: the host's way and the device's)."""
+        (calls.update_on_device if args.asynchronous else calls.update_on_host)(self, rows, coefs, args)
 
     def finish(self, pids, table: torch.Tensor, args) -> None:
         """Advance the kept scalars of ``pids`` (the member's parameters of the buckets just updated,
         every rank's same list) whose row is active, unless the step was skipped: torch's function over
         empty tensors, so that each rank holds every parameter's values (module docstring)."""
-        if not self.spec.scalars or _skipped(args):
-            return
-        values = table.tolist()
-        device = table.device
-        calls: dict[int, _Call] = {}
-        for pid in pids:
-            c = values[pid]
-            if c[0] == 0.0:
-                continue
-            call = self._call(calls, args, pid)
-            states = {name: _empty(device) for name in self._names if self.group_has(name, call.group)}
-            scalars = {name: self.scalar(pid, name, call.group, device) for name in self.spec.scalars}
-            call.add(_empty(device), _empty(device), states, scalars, c[2] - 1, None)
-        for call in calls.values():
-            call.run(self.spec.function)
+        if self.spec.scalars:
+            (calls.finish_on_device if args.asynchronous else calls.finish_on_host)(self, pids, table, args)
 
-    def _call(self, calls: dict, args, pid: int) -> _Call:
-        """The call of torch's function for engine parameter ``pid``'s param group (made at its first
-        parameter), with the group's values as this step reads them."""
-        g = int(args.group_of[pid])
-        if g not in calls:
-            calls[g] = _Call(self, args.hparams[g])
-        return calls[g]
-
-    def keywords(self, group: dict) -> dict:
+    def keywords(self, group: dict, device_counts: bool = False) -> dict:
         """torch's function's keyword arguments for a param group: the ones the sharded step fixes
-        (``_FIXED``), the renamed ones, the group's own."""
+        (``_FIXED``), the renamed ones, the group's own. ``device_counts``: the step counts are device
+        tensors, which the host must not read: torch's capturable path, or its fused kernel where the
+        function has no capturable path (Adagrad)."""
         out = {}
         for name in self._keywords:
             if name in _FIXED:
@@ -317,58 +269,12 @@ class ElementwiseAlgorithm(Algorithm):
                 out[name] = self.spec.renames[name](group)
             elif name in group:
                 out[name] = group[name]
+        if device_counts:
+            if "capturable" in self._keywords:
+                out["capturable"] = True
+            else:
+                out["fused"], out["foreach"] = True, False
         return out
-
-
-def _skipped(args) -> bool:
-    """Whether this step is skipped on every rank (some rank's gradients were not finite): a host read."""
-    return args.found_inf is not None and float(args.found_inf) != 0.0
-
-
-def _empty(device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=device)
-
-
-class _Call:
-    """One call of torch's function over the pieces of one param group."""
-
-    def __init__(self, algo: ElementwiseAlgorithm, group: dict):
-        self.algo, self.group = algo, group
-        self.params, self.grads = [], []
-        self.lists = {arg: [] for arg in algo.spec.lists}
-        self.after = []  # what to store back once the function ran: (moments, states, param offset, piece)
-
-    def add(self, p, grad, states: dict, scalars: dict, step_before: float, after) -> None:
-        self.params.append(p)
-        self.grads.append(grad)
-        for arg, name in self.algo.spec.lists.items():
-            if name == "step":
-                self.lists[arg].append(torch.tensor(step_before, dtype=torch.float32))
-            elif name in scalars:
-                self.lists[arg].append(scalars[name])
-            elif name in states:
-                self.lists[arg].append(states[name])
-        if after is not None:
-            self.after.append(after)
-
-    def run(self, function) -> None:
-        if self.params:
-            function(self.params, self.grads, **self.lists, **self.algo.keywords(self.group))
-
-
-def _runs(rows):
-    """``(so, n, po, go, pid)``: the rows, a parameter's adjacent pieces merged (its piece of the rank's
-    slice and of the replicated tail sit back to back in every buffer). Pieces of one parameter could
-    also go apart: each reads the step and a copy of the scalars as they were before the step."""
-    runs = []
-    for so, n, po, go, pid, *_ in rows:
-        if runs:
-            rso, rn, rpo, rgo, rpid = runs[-1]
-            if pid == rpid and so == rso + rn and po == rpo + rn and go == rgo + rn:
-                runs[-1] = (rso, rn + n, rpo, rgo, rpid)
-                continue
-        runs.append((so, n, po, go, pid))
-    return runs
 
 
 __all__ = ["COLUMNS", "SPECS", "ElementwiseAlgorithm", "Spec"]

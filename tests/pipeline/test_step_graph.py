@@ -13,6 +13,8 @@ from outside it, a stream not joined back, host work.
   its capture has no problem; the replayed steps make no host synchronization on the step path and
   the checker finds no hazard.
 - The model itself: what it reports and what a replay does, on small captures.
+- An optimizer built without ``capturable=True`` (torch.optim's twin of RMSprop, Muon) beside a captured
+  AdamW: its step eager, AdamW's replayed, bit for bit with the eager pair.
 - The refusals, at construction, of what a graph cannot hold.
 
 The GPU case (tests/gpu, ``case_capture``) compares a captured step with an eager one bit for bit.
@@ -270,6 +272,66 @@ def test_two_optimizers_each_replay_their_own_step():
         assert not seen["problems"] and not seen["hazards"], seen
 
 
+MATRICES = ("l1.weight", "l2.weight", "branch.weight")
+"""The hidden matrices: Muon's share beside the captured AdamW (the tied embedding stays with AdamW)."""
+
+
+def train_beside_captured(rank, world, other):
+    """AdamW (``capturable=True``) over all but the hidden matrices, and ``other`` (RMSprop, Muon: built
+    without it, torch ops that make new tensors every step) over them: AdamW's step replayed from its
+    graph, ``other``'s eager beside it, against the same pair stepping eagerly, bit for bit; the graph's
+    capture holds AdamW's work alone (no allocation, no host synchronization reported)."""
+    model, ref = _models()
+    with StreamChecker() as checker:
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+
+        def build(m, d, capturable):
+            mats = [p for n, p in m.named_parameters() if n in MATRICES]
+            rest = [p for n, p in m.named_parameters() if p.requires_grad and n not in MATRICES]
+            kw = dict(lr=2e-2) if other == "Muon" else dict(lr=1e-3, momentum=0.9)
+            return [fused_zero.AdamW(rest, lr=1e-2, ddp=d, overlap="step", capturable=capturable),
+                    getattr(fused_zero, other)(mats, ddp=d, overlap="step", **kw)]
+        opts = build(model, ddp, True)
+        with checker.paused():
+            ref_ddp = DDP(ref, bucket_cap_mb=0.0001)
+            refs = build(ref, ref_ddp, False)
+        differences = []
+        try:
+            for step in range(1, STEPS + 1):
+                checker.phase = f"step {step}"
+                _loss(ddp, step, rank).backward()
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+                with checker.paused():
+                    _loss(ref_ddp, step, rank).backward()
+                    for o in refs:
+                        o.step()
+                        o.zero_grad()
+                    opts[0]._engine.synchronize()
+                    differences += [f"step {step} {n}" for (n, p), q in zip(model.named_parameters(), ref.parameters())
+                                    if not torch.equal(p, q)]
+            graph = opts[0]._engine.graph
+            syncs = [(s[2], s[0]) for s in checker.syncs if s[3] and s[2].startswith("step ")]
+            return dict(differences=differences, captures=graph.captures, replays=graph.replays, syncs=syncs,
+                        problems=[p for c in checker.captures for p in c.problems],
+                        hazards=[str(h) for h in checker.hazards()])
+        finally:
+            for o in opts + refs:
+                o._engine.close()
+
+
+@pytest.mark.parametrize("other", ["RMSprop", "Muon"])
+def test_an_optimizer_without_capturable_steps_eagerly_beside_a_captured_one(other):
+    """torch.optim's twin of RMSprop and Muon beside a capturable AdamW (before: the twin's host reads inside
+    AdamW's capture, refused by CUDA at the first capture; Muon refused at construction)."""
+    for seen in run_ranks(train_beside_captured, 2, other):
+        assert not seen["differences"], seen["differences"][:5]
+        assert seen["captures"] == 2 and seen["replays"] >= STEPS - 4, seen
+        assert not seen["problems"] and not seen["hazards"], seen
+        assert all(what.startswith("torch.cuda.graph()") for _, what in seen["syncs"]), seen["syncs"]
+
+
 # ---------------------------------------------------------------------------- refusals
 
 def _refusal(rank, world, options, ddp_options):
@@ -281,14 +343,7 @@ def _refusal(rank, world, options, ddp_options):
     with StreamChecker():  # a modeled device: only what a graph cannot hold is refused
         ddp = DDP(model, **ddp_options)
         try:
-            if options.pop("muon", False):  # Muon over the matrices, AdamW over the rest
-                mats = [p for n, p in model.named_parameters()
-                        if p.requires_grad and p.dim() == 2 and n != "emb.weight"]
-                fused_zero.Muon(mats, ddp=ddp, **options)
-                fused_zero.AdamW([p for p in model.parameters() if p.requires_grad and all(p is not q for q in mats)],
-                                 ddp=ddp, capturable=True, **options)
-            else:
-                fused_zero.AdamW(ddp.parameters(), ddp=ddp, capturable=True, **options)
+            fused_zero.AdamW(ddp.parameters(), ddp=ddp, capturable=True, **options)
         except ValueError as e:
             return str(e)
     return None
@@ -300,7 +355,6 @@ def _refusal(rank, world, options, ddp_options):
     (dict(overlap="step", grad_reduce_dtype=torch.bfloat16), {}, "grad_reduce_dtype"),
     (dict(overlap="step", master_weights="stochastic"), {}, "stochastic"),
     (dict(overlap="step"), dict(find_unused_parameters=True), "find_unused_parameters"),
-    (dict(overlap="step", muon=True), {}, "Muon (optimizer 0 over this DDP module): its phases"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_at_construction(options, ddp_options, named):
     why = run_ranks(_refusal, 1, options, ddp_options)[0]

@@ -15,6 +15,12 @@ only tensors that outlive it, makes no host synchronization and allocates nothin
 checker's capture model, testing/streamcheck/graphs.py, reports any of these on the CPU). Its gathers are
 joined inside it: the forward then waits for the side stream, not for each bucket.
 
+Whose: the members built with ``capturable=True`` (AdamW, Adam: the fused kernel, its tables and checks
+in tensors kept across steps). The other optimizers over the same DDP module (SGD, Muon, torch.optim's
+twins, Adafactor: torch ops that make new tensors every step, which a graph would hold in a pool of its
+own) step eagerly beside them, each ``step()`` its own, with no host synchronization either
+(update/elementwise.py).
+
 When: the device work of a step is described by its *key*: every tensor it reads or writes (address,
 shape, dtype), every Python value it bakes into a launch (``max_norm``, an edit's flag), every layout
 object. A step whose key is the graph's replays it. Otherwise the step runs eagerly, and the next step
@@ -93,9 +99,6 @@ def check_capturable(engine, ddp) -> None:
     if engine.options.stochastic_rounding:
         why.append('master_weights="stochastic": its rounding keys are hashed from the step with temporaries; '
                    "use master weights")
-    why += [f"{m.name}: its phases (pipeline/updating/whole_matrix.py) make their exchange buffers and Newton-Schulz's "
-            "matrices as torch ops, new every step, which a graph would hold in a pool of its own; step it eagerly "
-            "(build the optimizers without capturable=True)" for m in engine.members if m.algo.phased]
     if engine.side.api is None:
         why.append(f"the parameters are on {engine.device.type}: a CUDA graph needs CUDA parameters (torch.optim's "
                    "capturable=True refuses them too)")

@@ -23,17 +23,19 @@ class PackedGather:
     for the collective and copies the other ranks' runs into the parameter buffer, on the side stream
     (where the buffers were made and the gather was issued), then orders the caller's stream after it."""
 
-    def __init__(self, buffer: torch.Tensor, runs: list[list[tuple[int, int]]], rank: int, group, side):
+    def __init__(self, buffer: torch.Tensor, runs: list[list[tuple[int, int]]], rank: int, group, side, scratch):
+        """``scratch``: where the packed buffers come from (pipeline/comm/scratch.py: kept across steps
+        where a CUDA graph replays the gather, one pair per bucket and member)."""
         self.buffer, self.runs, self.rank, self.side = buffer, runs, rank, side
         counts = [sum(n for _, n in r) for r in runs]
         self.chunk = max(counts)
         world = len(runs)
-        send = torch.empty(self.chunk, dtype=buffer.dtype, device=buffer.device)
+        send = scratch.take("send", (self.chunk,), buffer.dtype)
         mine = [buffer[o:o + n] for o, n in runs[rank]]
         if mine:
             torch.cat(mine, out=send[:counts[rank]])
         self.send = send
-        self.recv = torch.empty(world * self.chunk, dtype=buffer.dtype, device=buffer.device)
+        self.recv = scratch.take("recv", (world * self.chunk,), buffer.dtype)
         self.work = collectives.all_gather(self.recv, send, group)
 
     def wait(self, *args) -> bool:

@@ -144,8 +144,8 @@ class Updates:
 
         def work(joined: bool = False) -> None:
             self._device_work(it, items, coefs, counted, units, norm_units, members, scales, clip, edited, joined)
-        if e.graph is None:
-            work()
+        if e.graph is None or not all(e.members[m].captured for m in members):  # a member built without
+            work()  # capturable=True steps eagerly beside one with it (step_graph.py)
             return
         e.graph.run(members[0] if len(members) == 1 else -1,
                     (it.found_inf, scales, edited, clip, it.clip, self.tables.pending, counted, units,
@@ -167,7 +167,8 @@ class Updates:
         for j, (m, pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
             e.step_counts.count(pids, table, found[m:m + 1], e.scratch.under("member", m, "count", j))
         args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=it.clip,
-                        stochastic=e.options.stochastic_rounding, hparams=it.hparams[m], group_of=e.group_of)
+                        stochastic=e.options.stochastic_rounding, hparams=it.hparams[m], group_of=e.group_of,
+                        grad_div=e.reduction.grad_div, asynchronous=e.side.asynchronous)
                 for m in members}
         for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
             member = e.members[m]
@@ -250,4 +251,4 @@ class Updates:
             for m in sorted(shard.member_set.intersection(members)):
                 shard.wait_gather()
                 shard.gather = PackedGather(shard.param_buffer, shard.member_runs(m), layout.rank, self.gather_group,
-                                            self.side)
+                                            self.side, self.engine.scratch.under("packed", layout.pids, m))

@@ -13,8 +13,10 @@ For each bucket holding parameters of the member, in bucket order, on every rank
 4. each rank writes its pieces of the masters and the parameters; the usual all-gather follows.
 
 Collectives are issued by every rank in the same order whatever its flags; a skipped step or a
-parameter without a gradient is then not updated, on every rank (the host reads the flags: a wait for
-the device on CUDA, as in update/elementwise.py).
+parameter without a gradient is then not updated, on every rank. On the CPU the host reads the flags and
+the counts and runs torch's function; where the device runs later (CUDA) the host reads nothing: every
+parameter of the member is updated in copies, with the counts on the device (update/adafactor.py's
+``device_step``), and ``torch.where`` writes the results where the flags allow (as update/elementwise.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...update import muon
+from ...update.elementwise_calls import COLUMNS, written
 from ...update.torch_ops import working_weights
 from ..buckets.strides import strided_view
 from ..comm import collectives
@@ -40,7 +43,8 @@ class WholeParams:
         rank (the rows of its region, for the masters' write-back)."""
         m = self.member.index
         found = args.get("found_inf")
-        skip = found is not None and float(found) != 0.0
+        on_device = bool(args.get("asynchronous"))
+        skip = not on_device and found is not None and float(found) != 0.0
         inv = muon.inverse_scale(args["grad_scale"]) if args.get("grad_scale") is not None else None
         hp = it.hparams[m]
         rows: dict[int, list] = {}
@@ -51,7 +55,9 @@ class WholeParams:
             for item, table in zip(items, tables):
                 shard = item.shard
                 mine = [local for local in range(len(shard.layout.pids)) if shard.members[local] == m]
-                if mine:
+                if mine and on_device:
+                    self._bucket_on_device(shard, mine, table, found, inv, args.get("clip_coef"), hp, rows)
+                elif mine:
                     self._bucket(shard, mine, table.tolist(), skip, inv, args.get("clip_coef"), hp, rows)
 
     def _bucket(self, shard, mine: list[int], table: list, skip: bool, inv, clip, hp: list[dict], rows) -> None:
@@ -84,6 +90,38 @@ class WholeParams:
                     master = unit.state.get("master")
                     if master is not None:
                         master[so:so + length].copy_(weight[elem:elem + length])
+
+    def _bucket_on_device(self, shard, mine: list[int], table: torch.Tensor, found, inv, clip, hp: list[dict],
+                          rows) -> None:
+        """``_bucket`` where the host must not read the device (module docstring)."""
+        e, algo = self.engine, self.member.algo
+        lay = shard.layout
+        grads = self._whole(shard.reduced_buffer, lay, reduced=e.reduction.one_all_reduce)
+        masters = self._whole_region(shard.values("master"), lay) if "master" in shard.names else None
+        keep = written(table, found)
+        after = table[:, COLUMNS.index("step")]
+        calls: dict[int, tuple] = {}
+        for local in mine:
+            pid = lay.pids[local]
+            p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
+            grad = muon.gradient(grads[off:off + n], float(e.reduction.grad_div[pid]), inv, clip)
+            held = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
+            weight = held.clone()
+            call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], [], []))
+            for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, after[pid], keep[pid],
+                                         (held, weight, off, n))):
+                out.append(value)
+        for g, (params, grads_, pids, steps, oks, where) in calls.items():
+            algo.step_on_device(params, grads_, pids, steps, oks, hp[g])
+            for pid, ok, (held, weight, off, n) in zip(pids, oks, where):
+                torch.where(ok, weight, held, out=held)
+                piece = shard.param_buffer[off:off + n]
+                if held.data_ptr() != piece.data_ptr():
+                    piece.copy_(torch.where(ok, held, piece))  # rounded to the parameters' dtype
+                for unit, (so, length, _, _, _, elem) in rows.get(pid, ()):
+                    master = unit.state.get("master")
+                    if master is not None:
+                        master[so:so + length].copy_(held[elem:elem + length])
 
     def _whole(self, buffer: torch.Tensor, lay, reduced: bool) -> torch.Tensor:
         """The bucket's reduced gradient on every rank: ``buffer`` where it is reduced whole, else its

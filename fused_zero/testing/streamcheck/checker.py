@@ -148,6 +148,8 @@ class StreamChecker:
         self._patch(torch, "from_numpy", host_from_numpy)
         for owner, name, value in function_patches(self):
             self._patch(owner, name, value)
+        for owner, name, value in standins.capturable_on_the_host():
+            self._patch(owner, name, value)
         self._patch(Algorithm, "update", standins.launch_update(self, Algorithm.update))
         for caller in (norm_check, warmup):  # the norm pass, by the name its callers call it
             self._patch(caller, "grad_sumsq", standins.launch_norm(self, caller.grad_sumsq))

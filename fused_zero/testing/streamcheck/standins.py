@@ -5,8 +5,12 @@ In a CUDA graph's capture each also records what a replay runs again (graphs.py)
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import torch
 import torch.distributed as dist
+import torch.optim
 
 from ...pipeline.comm import collectives
 from .device import ModeledWork
@@ -88,3 +92,18 @@ def launch_norm(checker, real):
         checker.record("norm kernel", reads=reads, writes=list(result) + [t for t in (partials,) if t is not None])
         return result
     return grad_sumsq
+
+
+def capturable_on_the_host() -> list[tuple[object, str, object]]:
+    """``(module, name, stand-in)``: torch.optim's capturable paths taking the modeled device's tensors.
+    Those paths keep the step counts on the parameters' device and never read them on the host (what
+    the engine takes on CUDA, update/elementwise.py), and refuse any device but an accelerator: with
+    "cpu" among the devices they accept, they run on the CPU tensors that stand for the GPU's."""
+    out = []
+    for info in pkgutil.iter_modules(torch.optim.__path__):
+        module = importlib.import_module(f"torch.optim.{info.name}")
+        real = getattr(module, "_get_capturable_supported_devices", None)
+        if real is not None:
+            out.append((module, "_get_capturable_supported_devices",
+                        lambda supports_xla=True, real=real: [*real(supports_xla), "cpu"]))
+    return out
