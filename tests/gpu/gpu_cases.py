@@ -889,38 +889,100 @@ def case_several_optimizers():
     run_ranks(_several, 1, backend="nccl", timeout=300)
 
 
-def _torch_optimizers(rank, world, steps=6):
-    """Each torch.optim twin (optimizer/twins.py) and Adafactor against torch.optim.<Name> with torch's
-    default implementation on CUDA (foreach), in the bucket and step overlaps: the twins run torch's own
-    foreach over the slice views, elementwise the same ops, so within a few fp32 ulps (6 steps); a skipped
-    or doubled step moves a weight by about lr. Prints each one's state bytes against torch's."""
-    from scenarios import DEFAULT_HPARAMS, VOCAB, batch
-    from torch.nn.parallel import DistributedDataParallel as DDP
+DEVICE_COUNTS = {"Adagrad": {"fused": True}, "Adafactor": {}}
+"""torch.optim's form whose step counts stay on the device, as the twins' CUDA path keeps them
+(update/elementwise.py): ``capturable=True`` but for these (Adagrad has only a fused path; Adafactor has
+neither, and its device path rounds two scalars otherwise: update/adafactor.py)."""
 
-    import fused_zero
+
+def _torch_optimizers(rank, world, steps=6):
+    """Each torch.optim twin (optimizer/twins.py) and Adafactor against torch.optim.<Name> in the form
+    whose counts stay on the device (``DEVICE_COUNTS``: the twins' CUDA path runs torch's own function that
+    way, over the slice views), in the bucket and step overlaps: within a few fp32 ulps (every difference
+    measured, to see whether the pieces give the whole tensors' bits); a skipped or doubled step moves a
+    weight by about lr. From step 3 on (DDP's bucket rebuild done) under torch's sync debug mode "error":
+    no host synchronization on the step path. Then Adagrad with ``fused=True`` (torch's fused kernel
+    takes device counts: before, the host's, read as device pointers), and RMSprop stepping eagerly beside
+    an AdamW whose step replays from a CUDA graph (before: the twin's host reads inside AdamW's capture).
+    Prints each one's state bytes against torch's."""
+    from scenarios import DEFAULT_HPARAMS
+
     from fused_zero.optimizer import TWINS
 
     device = torch.device("cuda", 0)
-    for name in (*TWINS, "Adafactor"):
-        for overlap in ("bucket", "step"):
-            model, ref = _twin_models(device)
-            ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
-            opt = getattr(fused_zero, name)(ddp.parameters(), ddp=ddp, overlap=overlap, **DEFAULT_HPARAMS[name])
-            ref_opt = getattr(torch.optim, name)(ref_ddp.parameters(), **DEFAULT_HPARAMS[name])
-            for step in range(1, steps + 1):
-                x, y = (t.to(device) for t in batch(step, 0, rank))
-                for d, o in ((ref_ddp, ref_opt), (ddp, opt)):
-                    F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
-                    o.step()
-                    o.zero_grad()
-                opt.synchronize()
-                for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
-                    measure("torch-optimizers", f"{name} {overlap} step {step} {pname}", p, q)
-                    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
-                                               msg=lambda m, n=f"{name} {overlap} step {step} {pname}": f"{n}: {m}")
-            print(f"{name} {overlap}: state bytes {opt.memory()['state']} (torch.optim: "
-                  f"{opt.memory()['reference_state']})")
-            opt._engine.close()
+    runs = [(name, overlap, {}) for name in (*TWINS, "Adafactor") for overlap in ("bucket", "step")]
+    runs.append(("Adagrad", "step", {"fused": True}))
+    for name, overlap, extra in runs:
+        hp = {**DEFAULT_HPARAMS[name], **extra}
+        oracle = {**DEVICE_COUNTS.get(name, {"capturable": True}), **extra}
+        opt = _twin_run(device, rank, name, overlap, hp, oracle, steps, f"{name}{extra or ''} {overlap}")
+        print(f"{name}{extra or ''} {overlap}: state bytes {opt.memory()['state']} (torch.optim: "
+              f"{opt.memory()['reference_state']})")
+        opt._engine.close()
+    _twin_beside_captured(device, rank, steps=10)
+
+
+def _twin_run(device, rank, name, overlap, hp, oracle, steps, what):
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    model, ref = _twin_models(device)
+    ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
+    opt = getattr(fused_zero, name)(ddp.parameters(), ddp=ddp, overlap=overlap, **hp)
+    ref_opt = getattr(torch.optim, name)(ref_ddp.parameters(), **{**hp, **oracle})
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        for d, o in ((ref_ddp, ref_opt), (ddp, opt)):
+            if o is opt and step >= 3:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+                o.step()
+                o.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        opt.synchronize()
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            measure("torch-optimizers", f"{what} step {step} {pname}", p, q)
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=f"{what} step {step} {pname}": f"{n}: {m}")
+    return opt
+
+
+def _twin_beside_captured(device, rank, steps):
+    """RMSprop (eager) over the hidden matrices beside an AdamW with ``capturable=True`` over the rest, in
+    overlap="step": AdamW's step captured and replayed, RMSprop's eager, against the same pair eager."""
+    from scenarios import VOCAB, batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fused_zero
+
+    model, twin = _twin_models(device)
+    pairs = []
+    for m, capturable in ((model, True), (twin, False)):
+        d = DDP(m, bucket_cap_mb=0.0001, device_ids=[0])
+        mats = [p for n, p in m.named_parameters() if n in ("l1.weight", "l2.weight", "branch.weight")]
+        rest = [p for n, p in m.named_parameters() if p.requires_grad and all(p is not q for q in mats)]
+        pairs.append((m, d, [fused_zero.AdamW(rest, lr=1e-2, ddp=d, overlap="step", capturable=capturable),
+                             fused_zero.RMSprop(mats, lr=1e-3, momentum=0.9, ddp=d, overlap="step")]))
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in batch(step, 0, rank))
+        for _, d, opts in pairs:
+            F.cross_entropy(d(x, use_branch=True).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        for _, _, opts in pairs:
+            opts[0].synchronize()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), f"RMSprop beside a captured AdamW, step {step} {name}: not the eager pair's"
+    graph = pairs[0][2][0]._engine.graph
+    print(f"RMSprop beside a captured AdamW: {graph.captures} captures, {graph.replays} replays of {steps} steps")
+    assert graph.replays >= steps - 6, (graph.captures, graph.replays)
+    for _, _, opts in pairs:
+        opts[0]._engine.close()
 
 
 def case_torch_optimizers():
