@@ -107,8 +107,21 @@ DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-
                    "Rprop": dict(lr=1e-2), "Adafactor": dict(lr=1e-2, weight_decay=0.01)}
 
 
+CONSTRUCTOR_ONLY = {"Adagrad": ("initial_accumulator_value",)}
+"""Hyperparameters torch.optim reads from its constructor only: Adagrad fills its accumulator with the
+constructor's ``initial_accumulator_value`` when it is built, and a param group's key of that name is
+ignored. ``param_groups`` leaves them out; ``constructor_kwargs`` gives them to the constructors."""
+
+
+def constructor_kwargs(kind: str, case: Case | None = None) -> dict:
+    """The hyperparameters of ``kind`` (a case's, with its ``kwargs``) that go to the constructor."""
+    base = {**DEFAULT_HPARAMS[kind], **(case.kwargs if case is not None and case.opt == kind else {})}
+    return {k: base[k] for k in CONSTRUCTOR_ONLY.get(kind, ()) if k in base}
+
+
 def param_groups(model: nn.Module, case: Case):
-    base = {**DEFAULT_HPARAMS[case.opt], **case.kwargs}
+    base = {k: v for k, v in {**DEFAULT_HPARAMS[case.opt], **case.kwargs}.items()
+            if k not in CONSTRUCTOR_ONLY.get(case.opt, ())}
     if case.groups == 1:
         return [{"params": list(model.parameters()), **base}]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -192,7 +205,8 @@ def build(case: Case, rank: int):
                    _backend=case.backend, param_sync=case.param_sync, master_weights=case.master,
                    shard_group=shard_group(case.shard), grad_reduce_dtype=case.reduce_dtype)
     with forced_plan(case.plan):
-        opts = [getattr(fused_zero, kind)(groups, **options) for kind, groups in optimizer_groups(model, case)]
+        opts = [getattr(fused_zero, kind)(groups, **constructor_kwargs(kind, case), **options)
+                for kind, groups in optimizer_groups(model, case)]
     ref_params = list(ref_model.parameters())
     masters = None
     ref_groups = optimizer_groups(ref_model, case)
@@ -202,7 +216,8 @@ def build(case: Case, rank: int):
         for _, groups in ref_groups:
             for g in groups:
                 g["params"] = [masters[index[id(p)]] for p in g["params"]]
-    ref_opts = [getattr(torch.optim, kind)(groups, **({} if kind == "Muon" else {"foreach": False}))
+    ref_opts = [getattr(torch.optim, kind)(groups, **constructor_kwargs(kind, case),
+                                           **({} if kind == "Muon" else {"foreach": False}))
                 for kind, groups in ref_groups]
     if len(opts) == 1:
         return model, ddp, opts[0], ref_model, ref_ddp, ref_opts[0], masters

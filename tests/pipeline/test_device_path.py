@@ -28,7 +28,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
-from scenarios import VOCAB, Case, OddNet, _compare_low, _compare_state, batch, param_groups, use_branch
+from scenarios import (
+    VOCAB,
+    Case,
+    OddNet,
+    _compare_low,
+    _compare_state,
+    batch,
+    constructor_kwargs,
+    param_groups,
+    use_branch,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -64,15 +74,15 @@ def _train(rank: int, world: int, name: str, overlap: str, reduce: str, dtype: t
         ddp_kw = dict(bucket_cap_mb=0.0001, find_unused_parameters=True)
         ddp, ref_ddp = DDP(model, **ddp_kw), DDP(ref, **ddp_kw)
         scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None for _ in range(2)]
-        opt = getattr(fused_zero, name)(param_groups(model, case), ddp=ddp, overlap=overlap, grad_reduce=reduce,
-                                        grad_scaler=scalers[0])
+        opt = getattr(fused_zero, name)(param_groups(model, case), **constructor_kwargs(name, case), ddp=ddp,
+                                        overlap=overlap, grad_reduce=reduce, grad_scaler=scalers[0])
         ref_groups = param_groups(ref, case)
         index = {id(p): i for i, p in enumerate(ref.parameters())}
         for g in ref_groups:
             g["params"] = [masters[index[id(p)]] for p in g["params"]]
             for flag in ("foreach", "fused"):  # the oracle's form is ``oracle(name)``'s, whatever ours is told
                 g.pop(flag, None)
-        ref_opt = getattr(torch.optim, name)(ref_groups, **oracle(name))
+        ref_opt = getattr(torch.optim, name)(ref_groups, **constructor_kwargs(name, case), **oracle(name))
         lr0 = [g["lr"] for g in opt.param_groups]
         try:
             for step in range(1, STEPS + 1):

@@ -23,7 +23,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from formats_scenarios import FormatCase, run_format_cases
-from scenarios import Case, run_cases
+from scenarios import DEFAULT_HPARAMS, Case, constructor_kwargs, param_groups, run_cases
 from test_parity import MODES, ONE, TINY, TWO, bf16, check
 from test_sharding import check_state_per_rank
 
@@ -62,7 +62,9 @@ OPTIONS = {
 
 
 def test_options_two_ranks():
-    """Each option with every optimizer once, the modes cycled."""
+    """Each option with every optimizer once, the modes cycled; and every optimizer with bf16 parameters
+    and no masters (``master_weights=False``: the update written into the bf16 parameters, rounded),
+    against torch.optim on fp32 copies rounded back to bf16 after every step (scenarios.Case.master)."""
     options = itertools.cycle(OPTIONS.values())
     modes = itertools.cycle(itertools.product(MODES, (TINY, TWO, ONE)))
     cases = []
@@ -70,6 +72,8 @@ def test_options_two_ranks():
         for _ in range(2):
             (o, r), b = next(modes)
             cases.append(Case(opt=opt, overlap=o, grad_reduce=r, bucket_cap_mb=b, steps=6, **next(options)))
+    for opt, ((o, r), b) in zip(ALL, itertools.cycle(itertools.product(MODES, (TWO, TINY)))):
+        cases.append(Case(opt=opt, overlap=o, grad_reduce=r, bucket_cap_mb=b, steps=6, dtype=bf16, master=False))
     check(cases, run_ranks(run_cases, 2, cases))
 
 
@@ -112,6 +116,22 @@ def test_bf16_moments_two_ranks():
     cases = [FormatCase(state_format="bf16", opt=opt, overlap=o, grad_reduce=r)
              for opt, (o, r) in zip(MOMENTS, itertools.cycle(MODES))]
     run_ranks(run_format_cases, 2, cases)
+
+
+def test_adagrads_accumulator_starts_where_the_scenarios_say():
+    """The scenarios give Adagrad ``initial_accumulator_value`` through its constructor, where torch reads it
+    (a param group's key of that name is ignored), to torch.optim's and to fused_zero's: both accumulators
+    start at 0.1, not at 0."""
+    case = Case(opt="Adagrad", groups=2)
+    start = DEFAULT_HPARAMS["Adagrad"]["initial_accumulator_value"]
+    model = torch.nn.Linear(3, 4)
+    assert start == 0.1 and constructor_kwargs("Adagrad", case) == {"initial_accumulator_value": start}
+    assert all("initial_accumulator_value" not in g for g in param_groups(model, case))
+    theirs = torch.optim.Adagrad(param_groups(model, case), **constructor_kwargs("Adagrad", case))
+    ours = fused_zero.Adagrad(param_groups(model, case), **constructor_kwargs("Adagrad", case), ddp=model)
+    for sd in (theirs.state_dict(), ours.state_dict()):
+        assert len(sd["state"]) == 2 and all(torch.equal(e["sum"], torch.full_like(e["sum"], start))
+                                             for e in sd["state"].values()), sd["state"]
 
 
 @pytest.mark.parametrize("name", ALL)
