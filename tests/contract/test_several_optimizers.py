@@ -2,9 +2,10 @@
 its own, as torch.optim's independent optimizers do (the contract suite: conftest.py).
 
 The patterns: a fused_zero optimizer over part of the module beside a torch.optim one over the rest (or
-none, the rest updated by hand from DDP's averaged ``.grad``); one GradScaler over two optimizers with
-torch's recipe (``unscale_`` of one, of the other, of both, of neither, with a clip of the unscaled
-one's gradients); an overflow in one optimizer's gradients only (it skips, the other steps);
+none, the rest updated by hand from DDP's averaged ``.grad``; also with gradients reduced in bf16, against
+DDP's bf16_compress_hook); one GradScaler over two optimizers with torch's recipe (``unscale_`` of one, of
+the other, of both, of neither, with a clip of the unscaled one's gradients); an overflow in one
+optimizer's gradients only (it skips, the other steps), with a scaler and with on_nonfinite="raise";
 ``opt0.step(); opt0.zero_grad(set_to_none=False); opt1.step()``; an optimizer that does not step
 every iteration; Muon built after AdamW; Muon groups that differ in momentum, nesterov and ns_steps.
 Every overlap mode and reduction that honors the pattern, at 2 and 3 ranks; the modes that cannot honor
@@ -19,7 +20,8 @@ import itertools
 import pytest
 import torch
 from distributed import run_ranks
-from harness import compare_state, models, optimizer, ours_alone, refused, split, twin
+from harness import compare_state, exact, models, optimizer, ours_alone, refused, same, split, twin
+from scenarios import compress_hook
 
 MODES = [(o, r) for o in ("bucket", "backward", "step") for r in ("reduce_scatter", "all_reduce")]
 SCALER_MODES = [m for m in MODES if m[0] != "bucket"]
@@ -54,20 +56,28 @@ def _plain_loop(run, step):
 # ---------------------------------------------------------------------- a fused_zero optimizer over part
 
 
-def _part(rank, world, mode, rest):
+def _part(rank, world, mode, rest, reduce_dtype=None):
     """fused_zero.AdamW over emb, l1 and norm; the rest: torch.optim.SGD's, or nobody's (updated by hand
-    from DDP's averaged ``.grad``)."""
+    from DDP's averaged ``.grad``). ``reduce_dtype``: fused_zero's ``grad_reduce_dtype``, against DDP with
+    its own compression hook (scenarios.compress_hook); the rest's ``.grad`` after every backward is
+    compared too, bit for bit (the hook's very arithmetic on gloo's plan, at any W)."""
     overlap, reduce = mode
 
     def make(model, ddp, fused, run):
         mine, others = split(model, A)
-        opt = optimizer("AdamW", mine, fused, ddp=ddp, overlap=overlap, grad_reduce=reduce) if fused else \
-            optimizer("AdamW", mine, False)
+        if fused:
+            opt = optimizer("AdamW", mine, True, ddp=ddp, overlap=overlap, grad_reduce=reduce,
+                            grad_reduce_dtype=reduce_dtype)
+        else:
+            opt = optimizer("AdamW", mine, False)
+            if reduce_dtype is not None:
+                ddp.register_comm_hook(None, compress_hook(reduce_dtype))
         run.keep["rest"] = others
         return [opt, optimizer("SGD", others, False)] if rest == "torch" else [opt]
 
     def loop(run, step):
         run.loss(step).backward()
+        run.keep.setdefault("grads", []).append([p.grad.clone() for p in run.keep["rest"]])
         for o in run.opts:
             o.step()
         if rest == "by hand":
@@ -77,16 +87,27 @@ def _part(rank, world, mode, rest):
                     p.grad = None
         for o in run.opts:
             o.zero_grad()
-    twin(rank, world, loop, make)
+    out = twin(rank, world, loop, make)
+    for step, (ours, theirs) in enumerate(zip(out["keep"]["grads"], out["ref_keep"]["grads"]), start=1):
+        for k, (g, h) in enumerate(zip(ours, theirs)):
+            same(g, h, f"rank {rank} step {step}: .grad of the unowned parameter {k} after the backward",
+                 exact() or reduce_dtype is not None)
     return "ok"
 
 
 def _cases_part(rank, world):
-    return [(mode, rest, _part(rank, world, mode, rest)) for mode in MODES for rest in ("torch", "by hand")]
+    out = [(mode, rest, _part(rank, world, mode, rest)) for mode in MODES for rest in ("torch", "by hand")]
+    # gradients reduced in bf16: the unowned parameters' .grad is still DDP's (compressed) average
+    for overlap, rest in zip(("bucket", "backward", "step"), ("torch", "by hand", "torch")):
+        mode = (overlap, "reduce_scatter")
+        out.append((mode, f"{rest}, bf16 reduction", _part(rank, world, mode, rest, torch.bfloat16)))
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_fused_optimizer_over_part_of_the_module(world):
+    """Every mode, the rest torch.optim's or updated by hand; and with grad_reduce_dtype=torch.bfloat16
+    (reduce_scatter) against DDP + its bf16_compress_hook: the rest's .grad is the hook's average."""
     for results in run_ranks(_cases_part, world):
         assert all(r == "ok" for *_, r in results), results
 
@@ -94,14 +115,22 @@ def test_a_fused_optimizer_over_part_of_the_module(world):
 # ---------------------------------------------------------------------- one GradScaler, two optimizers
 
 
-def _scaler_loop(unscale: tuple[int, ...], clip: bool, overflow_at: int | None = 3):
+OVERFLOWS = {3: "l1.weight", 5: "l2.bias"}
+"""Step -> the parameter whose gradient overflows then on the last rank: the first optimizer's (l1.weight,
+in A and in MATRICES), then the second's (l2.bias, in neither)."""
+
+
+def _scaler_loop(unscale: tuple[int, ...], clip: bool, overflows: dict[int, str] = OVERFLOWS):
     """torch's recipe for several optimizers and one scaler: ``unscale_`` of the optimizers in ``unscale``
-    (a clip of their gradients after it), ``scaler.step`` of each, one ``update``. At ``overflow_at`` the
-    last rank's gradient of l1.weight (the first optimizer's) is an inf: it skips, the other steps."""
+    (a clip of their gradients after it), ``scaler.step`` of each, one ``update``. At each step of
+    ``overflows`` the last rank's gradient of that parameter is an inf: its optimizer skips, the other
+    steps, the scale halves. Kept: the scale before each ``update()`` and after it, and each optimizer's
+    skipped steps so far (fused_zero's ``skipped_steps``; torch.optim's: the steps that left its
+    parameters as they were)."""
     def loop(run, step):
         loss = run.loss(step)
-        if step == overflow_at and run.rank == run.world - 1:
-            weight = run.ddp.module.l1.weight
+        if step in overflows and run.rank == run.world - 1:
+            weight = dict(run.ddp.module.named_parameters())[overflows[step]]
             handle = weight.register_hook(lambda g: g * float("inf"))
             run.scaler.scale(loss).backward()
             handle.remove()
@@ -111,10 +140,18 @@ def _scaler_loop(unscale: tuple[int, ...], clip: bool, overflow_at: int | None =
             run.scaler.unscale_(run.opts[i])
             if clip:
                 torch.nn.utils.clip_grad_norm_(run.params_of(i), 0.5)
-        for o in run.opts:
+        counts = run.keep.setdefault("skip_counts", [0] * len(run.opts))
+        for i, o in enumerate(run.opts):
+            before = None if run.fused else [p.detach().clone() for p in run.params_of(i)]
             run.scaler.step(o)
+            if before is not None:
+                counts[i] += all(torch.equal(a, p) for a, p in zip(before, run.params_of(i)))
+        if run.fused:
+            counts[:] = [o.skipped_steps for o in run.opts]
+        run.keep.setdefault("skips", []).append(list(counts))
         run.keep.setdefault("scales", []).append(float(run.scaler.get_scale()))
         run.scaler.update()
+        run.keep["scales"].append(float(run.scaler.get_scale()))
         for o in run.opts:
             o.zero_grad()
     return loop
@@ -129,7 +166,14 @@ def _scaler_case(rank, world, mode, recipe, kinds, names):
     unscale, clip = RECIPES[recipe]
     out = twin(rank, world, _scaler_loop(unscale, clip), _two(kinds, names, overlap=overlap, grad_reduce=reduce),
                scaler=True)
-    assert out["keep"]["scales"] == out["ref_keep"]["scales"], (out["keep"]["scales"], out["ref_keep"]["scales"])
+    assert out["keep"]["scales"] == out["ref_keep"]["scales"], \
+        f"rank {rank}: the scale before and after each update(): {out['keep']['scales']}, torch's " \
+        f"{out['ref_keep']['scales']}"
+    # each optimizer skipped the steps torch's scaler skipped for it: its own overflow only
+    assert out["keep"]["skips"] == out["ref_keep"]["skips"], \
+        f"rank {rank}: each optimizer's skipped steps after each step: {out['keep']['skips']}, torch's " \
+        f"{out['ref_keep']['skips']}"
+    assert out["ref_keep"]["skips"][-1] == [1, 1], out["ref_keep"]["skips"]
     return "ok"
 
 
@@ -160,11 +204,63 @@ def _cases_scaler(rank, world, kinds, names):
                                          (2, ("Adafactor", "AdamW"))])
 def test_one_grad_scaler_two_optimizers_each_skips_its_own_overflow(world, kinds):
     """Each recipe in every mode with a scaler; an overflow in the first optimizer's gradients at step 3
-    on one rank: it skips (on every rank), the second steps, the scale halves, as torch's docs say."""
+    on one rank, in the second's at step 5: the one overflowed skips (on every rank), the other steps,
+    the scale halves, as torch's docs say (the scale after every update(), each optimizer's skipped
+    steps against the steps torch's scaler skipped for it)."""
     names = A if kinds[0] != "Muon" else MATRICES
     for results in run_ranks(_cases_scaler, world, kinds, names):
         bad = [r for r in results if r[2] != "ok" and "param.grad was changed" not in r[2]]
         assert not bad, bad
+
+
+# ---------------------------------------------------------------------- on_nonfinite="raise", two optimizers
+
+
+def _raise_loop(run, step):
+    """At each step of OVERFLOWS one optimizer's gradient overflows on the last rank. fused_zero's with
+    on_nonfinite="raise": that one raises in its ``step()`` (its step skipped, on every rank), the other
+    steps. torch.optim's as a user guards them: an optimizer whose (DDP-averaged) gradients are not all
+    finite is not stepped, and that is recorded as its raise. Kept: (step, optimizer) of every raise."""
+    loss = run.loss(step)
+    if step in OVERFLOWS and run.rank == run.world - 1:
+        handle = dict(run.ddp.module.named_parameters())[OVERFLOWS[step]].register_hook(lambda g: g * float("inf"))
+        loss.backward()
+        handle.remove()
+    else:
+        loss.backward()
+    raised = run.keep.setdefault("raised", [])
+    for i, o in enumerate(run.opts):
+        if run.fused:
+            try:
+                o.step()
+            except FloatingPointError:
+                raised.append((step, i))
+        elif all(bool(torch.isfinite(p.grad).all()) for p in run.params_of(i) if p.grad is not None):
+            o.step()
+        else:
+            raised.append((step, i))
+    for o in run.opts:
+        o.zero_grad()
+
+
+def _cases_raise(rank, world, kinds):
+    out = []
+    for overlap, reduce in SCALER_MODES:  # a skip of the whole step (overlap="bucket" skips bucket by bucket)
+        got = twin(rank, world, _raise_loop, _two(kinds, overlap=overlap, grad_reduce=reduce, on_nonfinite="raise"))
+        assert got["keep"]["raised"] == got["ref_keep"]["raised"] == [(3, 0), (5, 1)], \
+            f"rank {rank} {overlap}/{reduce}: raised at (step, optimizer) {got['keep']['raised']}, torch.optim's " \
+            f"skips {got['ref_keep']['raised']}"
+        out.append(((overlap, reduce), "ok"))
+    return out
+
+
+@pytest.mark.parametrize("world,kinds", [(2, ("AdamW", "SGD")), (3, ("Adagrad", "Adam"))])
+def test_on_nonfinite_raise_raises_for_the_overflowed_optimizer_only(world, kinds):
+    """on_nonfinite="raise" with two optimizers over one module: an overflow in the first optimizer's
+    gradients at step 3 (on one rank), in the second's at step 5: the one overflowed raises, on every
+    rank, and its step is skipped; the other steps as torch.optim's does (every parameter compared)."""
+    for results in run_ranks(_cases_raise, world, kinds):
+        assert all(r == "ok" for _, r in results), results
 
 
 # ---------------------------------------------------------------------- zeroing between the steps
