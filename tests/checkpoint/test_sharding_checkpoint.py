@@ -1,6 +1,7 @@
 """Checkpoints move between sharding configurations, at four ranks (replicas x shard size): saved at 2 x 2
-(canonical, also gathered to a rank of the second replica with ``to=3`` and by rank 0 alone while the
-others wait in an all-reduce, and DCP), loaded at 1 x 4
+(canonical, also gathered to a rank of the second replica with ``to=3``, by rank 0 alone while the
+others wait in an all-reduce, and written from global rank 2 as Lightning and Accelerate write it, the
+dict the canonical loads below start from; and DCP), loaded at 1 x 4
 (flat) and 4 x 1 (every rank a replica), in both forms, and saved at 4 x 1 through DCP (four replicas
 writing the same chunks) and loaded at 2 x 2 (as a DeviceMesh). After each load training continues in
 parity with torch.optim continuing from its own saved state, every parameter of every rank compared
@@ -34,12 +35,34 @@ def save(rank, path, saved: Case, tag: str):
     if rank == 0:  # alone, the others already in a collective of their own: its shard group serves it
         assert_same_state(opt.state_dict()["state"], full["state"])
     dist.all_reduce(torch.zeros(1))
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "ours": full, "torch": ref_opt.state_dict()},
+    # as Lightning and Accelerate do it, the checkpoint built on every rank and written from global rank 2 (the
+    # second replica's first rank): the dict there, torch.optim's entry for entry; {} elsewhere. The
+    # loads below continue from what rank 2 wrote.
+    written = opt._state_dict_written_by(2)
+    if rank != 2:
+        assert written == {}, f"rank {rank}: {type(written).__name__} of {len(written)} entries, not {{}}"
+    else:
+        assert written, "rank 2 writes the checkpoint and got an empty dict"
+        _same_dicts(written, ref_opt.state_dict(), "rank 2's written dict against torch.optim's")
+        _same_dicts(written, full, "rank 2's written dict against state_dict()")
+        torch.save({"model": model.state_dict(), "ours": written, "torch": ref_opt.state_dict()},
                    os.path.join(path, f"{tag}.pt"))
     dcp_save(opt, os.path.join(path, f"{tag}-dcp"))
     opt._engine.close()
     dist.barrier()
+
+
+def _same_dicts(ours: dict, theirs: dict, where: str) -> None:
+    """Two canonical dicts: the same parameters and entries, bit for bit (fused_zero adds nothing for
+    fp32 parameters), and the same param groups (but ``foreach``: the oracle is built single-tensor)."""
+    assert sorted(ours["state"]) == sorted(theirs["state"]), f"{where}: {sorted(ours['state'])}"
+    for i, entry in theirs["state"].items():
+        assert list(ours["state"][i]) == list(entry), f"{where}: state[{i}] {list(ours['state'][i])}"
+        for key, value in entry.items():
+            assert torch.equal(ours["state"][i][key], value), f"{where}: state[{i}][{key!r}] differs"
+    def groups(sd):
+        return [{k: v for k, v in g.items() if k != "foreach"} for g in sd["param_groups"]]
+    assert groups(ours) == groups(theirs), f"{where}: param groups {groups(ours)}, {groups(theirs)}"
 
 
 def load(rank, path, loaded: Case, tag: str, forms=("canonical", "dcp")):
