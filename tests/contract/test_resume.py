@@ -2,13 +2,15 @@
 fresh fused_zero optimizer over a fresh DDP module at step 34, where Adam's bias tables (sized by the step
 counts: update/step_columns.py) must cover the loaded counts, continues bit for bit with DDP + torch.optim
 trained without a break; so does a DCP checkpoint; and Muon beside an AdamW with 8-bit moments, through
-DCP, continues as the optimizers that saved it do.
+DCP, attached in either order, is saved as each keeps its state (the 8-bit moments as uint8 codes with
+their blocks' scales) and continues as the optimizers that saved it do.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -70,19 +72,25 @@ def test_a_resume_past_step_32_under_ddp(tmp_path):
         assert all(r == "ok" for _, r in results), results
 
 
-def _muon_beside_8bit(rank, world, path):
-    """Muon over the matrices beside AdamW with 8-bit moments over the rest: saved through DCP at step 4,
-    loaded by a fresh pair over a fresh DDP module; the fresh pair and the savers then step alike."""
+def _muon_beside_8bit(rank, world, path, order):
+    """Muon over the matrices beside AdamW with 8-bit moments over the rest, attached in ``order``: saved
+    through DCP at step 4, as stored (the 8-bit moments as uint8 codes with their blocks' scales, Muon's
+    momentum in fp32, whichever attached first), loaded by a fresh pair over a fresh DDP module; the
+    fresh pair and the savers then step alike."""
     kw = {"bucket_cap_mb": 0.0001}
 
     def pair(model, ddp):
         mats, rest = split(model, MATRICES)
-        return [optimizer("Muon", mats, True, ddp=ddp), optimizer("AdamW", rest, True, ddp=ddp, state_format="8bit")]
+        made = {"Muon": lambda: optimizer("Muon", mats, True, ddp=ddp),
+                "AdamW": lambda: optimizer("AdamW", rest, True, ddp=ddp, state_format="8bit")}
+        return [made[kind]() for kind in order]
     (model, ddp), _ = models(kw)
     opts = pair(model, ddp)
     for step in range(1, 5):
         _step(ddp, opts, step, rank)
-    dcp.save({str(i): o.sharded_state_dict() for i, o in enumerate(opts)}, checkpoint_id=path)
+    sds = {str(i): o.sharded_state_dict() for i, o in enumerate(opts)}
+    dcp.save(sds, checkpoint_id=path)
+    _saved_as_stored(sds, path, order, rank)
     (fresh, fresh_ddp), _ = models(kw)
     fresh.load_state_dict(model.state_dict())
     resumed = pair(fresh, fresh_ddp)
@@ -105,5 +113,30 @@ def _muon_beside_8bit(rank, world, path):
     return "ok"
 
 
-def test_muon_beside_an_8bit_adamw_through_dcp(tmp_path):
-    assert run_ranks(_muon_beside_8bit, 2, str(tmp_path)) == ["ok", "ok"]
+def _saved_as_stored(sds: dict, path: str, order: tuple, rank: int) -> None:
+    """What DCP wrote of each optimizer: the 8-bit AdamW's moments as uint8 codes (this rank's chunks and the
+    checkpoint's metadata), named "8bit" with every block's scale in its ``fused_zero`` entry; Muon's
+    momentum in fp32. Its first- or second-attached place changes nothing of it."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for k, kind in enumerate(order):
+        state, (_, described) = sds[str(k)]["state"], sds[str(k)]["fused_zero"]
+        names = ("exp_avg", "exp_avg_sq") if kind == "AdamW" else ("momentum_buffer",)
+        want = torch.uint8 if kind == "AdamW" else torch.float32
+        for i, entry in state.items():
+            for name in names:
+                where = f"rank {rank} {order}: {kind} (optimizer {k}) state[{i}][{name!r}]"
+                chunks = entry[name]._local_tensor.local_shards()
+                assert all(c.dtype == want for c in chunks), f"{where}: held as {[c.dtype for c in chunks]}"
+                disk = saved[f"{k}.state.{i}.{name}"].properties.dtype
+                assert disk == want, f"{where}: saved as {disk}, not {want}"
+                if kind == "AdamW":
+                    assert described["stored"][i][name] == "8bit", f"{where}: {described['stored'].get(i)}"
+                    starts, scales = described["blocks"][(i, name)]
+                    assert len(starts) == len(scales) > 0 and scales.dtype == torch.float32, where
+        if kind == "Muon":
+            assert not described["stored"] and not described["blocks"], described
+
+
+@pytest.mark.parametrize("order", [("Muon", "AdamW"), ("AdamW", "Muon")])
+def test_muon_beside_an_8bit_adamw_through_dcp(tmp_path, order):
+    assert run_ranks(_muon_beside_8bit, 2, str(tmp_path), order) == ["ok", "ok"]
