@@ -64,7 +64,7 @@ def construction_errors(rank, world):
     expect(lambda: AdamW(params, ddp=ddp, overlap="bucket", max_grad_norm=1.0), ValueError, "max_grad_norm needs")
     expect(lambda: AdamW(params, ddp=ddp, overlap="step", max_grad_norm=-1.0), ValueError,
            "max_grad_norm must be > 0")
-    expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid lr")
+    expect(lambda: AdamW(params, lr=-1.0, ddp=ddp), ValueError, "Invalid learning rate: -1.0")
     expect(lambda: AdamW(params, betas=(0.9, 1.0), ddp=ddp), ValueError, "beta")
     expect(lambda: AdamW(params, ddp=model), TypeError, PLAIN_IN_GROUP)
     expect(lambda: AdamW(params, ddp=ddp, sharding="full"), TypeError, "sharding")

@@ -1,6 +1,8 @@
 """The classes users import: drop-in torch.optim optimizers whose step runs inside DDP's backward.
 
-Each takes torch.optim's arguments and hyperparameter names for its algorithm, plus the keyword-only
+Each takes torch.optim's arguments and hyperparameter names for its algorithm, checked by
+torch.optim.<Name>'s own constructor first (``_torch_checked``: its errors, word for word, as the twins'
+are, optimizer/twins.py), then by fused_zero's checks of its own options, plus the keyword-only
 options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' docstring and
 ``fused-zero options`` print them): ``ddp`` is the DistributedDataParallel module whose buckets are
 sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
@@ -9,6 +11,8 @@ fields. Several may share one DDP module, each with parameters of its own (shari
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..update.algorithms import AdamFamily, SGDAlgorithm
 from ..update.muon import MuonAlgorithm
@@ -22,13 +26,23 @@ __all__ = ["ASGD", "Adafactor", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adam
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
 
 
+def _torch_checked(cls: type, stand_in: tuple[int, ...] = (), **kwargs) -> dict:
+    """torch.optim ``cls``'s constructor run on ``kwargs`` over one stand-in parameter of shape ``stand_in``
+    (Muon's: 2-D), before anything of fused_zero's: its checks are the user's, its errors word for word;
+    returns its ``defaults`` (a 1-element tensor beta as torch keeps it: 0-dim)."""
+    return dict(cls([torch.zeros(stand_in, requires_grad=True)], **kwargs).defaults)
+
+
 class AdamW(_ShardedOptimizer):
     """torch.optim.AdamW, sharded across DDP ranks and run inside the backward."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  ddp=None, **options):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        checked = _torch_checked(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                                 differentiable=differentiable, fused=fused)
+        defaults = dict(lr=lr, betas=checked["betas"], eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=True, **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
         self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
@@ -41,7 +55,11 @@ class Adam(_ShardedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, ddp=None, **options):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        checked = _torch_checked(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
+                                 differentiable=differentiable, fused=fused,
+                                 decoupled_weight_decay=decoupled_weight_decay)
+        defaults = dict(lr=lr, betas=checked["betas"], eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
                         **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
@@ -54,6 +72,9 @@ class SGD(_ShardedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, ddp=None, **options):
+        _torch_checked(torch.optim.SGD, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                       nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                       fused=fused)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults)
@@ -68,6 +89,9 @@ class Muon(_ShardedOptimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  ddp=None, **options):
+        _torch_checked(torch.optim.Muon, (1, 1), lr=lr, weight_decay=weight_decay, momentum=momentum,
+                       nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                       adjust_lr_fn=adjust_lr_fn)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)

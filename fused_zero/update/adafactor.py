@@ -48,6 +48,12 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
         super().__init__(SPEC, param_groups, defaults)
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # engine pid -> its factored statistics
 
+    def check_group(self, group: dict, i: int) -> None:
+        """torch.optim.Adafactor refuses a complex parameter at its first step; here at once, in its words
+        (its constructor has checked the rest: optimizer/twins.py)."""
+        if any(torch.is_complex(p) for p in group["params"]):
+            raise RuntimeError("Adafactor does not support complex parameters")
+
     def state_names(self) -> list[str]:
         return []  # nothing region-shaped: the statistics are per row and column (``kept``)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import adam_coefficients, adam_step, sgd_coefficients, sgd_step
+from ..kernels import ADAM_COEFS, adam_coefficients, adam_step, sgd_coefficients, sgd_step
 from ..kernels import grad_sumsq as triton_grad_sumsq
 from . import step_columns, torch_ops
 
@@ -119,12 +119,52 @@ def grad_sumsq(backend: str, rows: list, segments, coefs: torch.Tensor, grad: to
     return out[0], out[1]
 
 
-def _check_nonneg(group: dict, i: int, key: str) -> None:
-    value = group[key]
-    if isinstance(value, torch.Tensor):
-        raise ValueError(f"param group {i}: {key} as a Tensor is not supported; pass a float")
-    if not 0.0 <= value:
-        raise ValueError(f"Invalid {key} in param group {i}: {value} (must be >= 0)")
+def check_scalar(value, i: int, name: str) -> None:
+    """A param group's number: a Python number or, as torch.optim takes one (a tensor ``lr``, say), a
+    1-element tensor, refused otherwise in torch's words. Its value is torch.optim's to check: its
+    constructor checks the defaults (optimizer/__init__.py runs it), and a param group's own values are
+    taken as torch takes them."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element (param group {i}: {tuple(value.shape)})")
+
+
+def _scalar(value):
+    """A param group's number as torch's update computes with it: a Python number, or a 1-element tensor
+    as a 0-dim CPU tensor of its dtype (torch's ``_to_scalar``; a CUDA tensor is read to the host here)."""
+    return value.detach().reshape(()).cpu() if isinstance(value, torch.Tensor) else value
+
+
+def adam_scalars(group: dict, decoupled: bool) -> dict[str, float] | None:
+    """The step-independent scalars of torch's single-tensor Adam(W) for a group that holds a tensor (lr,
+    betas, weight_decay or eps), computed by torch's own expressions on its values: with a tensor they
+    are tensor arithmetic in its dtype (``1 - lr * weight_decay`` in float32 for a float32 lr), not the
+    float64 of Python numbers. None where every value is a number (adam_coefficients' float64 is then
+    torch's). The step-dependent ones: step_columns.BiasTables."""
+    lr, (beta1, beta2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
+    if not any(isinstance(v, torch.Tensor) for v in (lr, beta1, beta2, wd, eps)):
+        return None
+    lr, beta1, beta2, wd, eps = (_scalar(v) for v in (lr, beta1, beta2, wd, eps))
+    # torch moves a tensor beta1 to the moments' dtype for the lerp (fp32 here); beta2 as it is
+    device_beta1 = beta1.to(torch.float32) if isinstance(beta1, torch.Tensor) else beta1
+    return {"decay_mul": float(1 - lr * wd) if decoupled and wd != 0 else 1.0,
+            "l2": 0.0 if decoupled else float(wd),
+            "lerp_w": float(1 - device_beta1),
+            "beta2": float(beta2),
+            "one_minus_beta2": float(1 - beta2),
+            "eps": float(eps)}
+
+
+def step_lr(group: dict) -> float:
+    """The lr of torch's step size ``lr / bias_correction1`` as that division reads it: over a tensor
+    beta1 a float lr is cast to the tensor's dtype (``bias_correction1.reciprocal() * lr``,
+    Tensor.__rtruediv__; step_columns.BiasTables holds the reciprocal); 1 where the table holds the
+    whole step size (step_columns.folds_lr)."""
+    lr, beta1 = group["lr"], group["betas"][0]
+    if step_columns.folds_lr(group):
+        return 1.0
+    if isinstance(beta1, torch.Tensor) and not isinstance(lr, torch.Tensor):
+        return float(torch.tensor(lr, dtype=beta1.dtype))
+    return float(lr)
 
 
 class AdamFamily(Algorithm):
@@ -137,11 +177,16 @@ class AdamFamily(Algorithm):
         super().__init__(param_groups)
 
     def check_group(self, group: dict, i: int) -> None:
+        """torch.optim.Adam's constructor has checked the defaults; a group's own betas must be in its range
+        too: the bias corrections are tabulated per step (step_columns.py), and at 1 ``1 - beta ** step``
+        is 0, which torch divides by."""
         for key in ("lr", "eps", "weight_decay"):
-            _check_nonneg(group, i, key)
+            check_scalar(group[key], i, key)
         for j, beta in enumerate(group["betas"]):
-            if isinstance(beta, torch.Tensor) or not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {j} in param group {i}: {beta}")
+            check_scalar(beta, i, f"betas[{j}]")
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {j}: {beta} (param group {i}; Adam's bias "
+                                 "correction 1 - beta ** step needs 0 <= beta < 1)")
 
     def state_names(self) -> list[str]:
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.flags["amsgrad"] else [])
@@ -149,14 +194,21 @@ class AdamFamily(Algorithm):
     def coefficients(self, groups: list[dict], group_idx: np.ndarray, active: np.ndarray,
                      grad_div: float) -> torch.Tensor:
         pick = _per_param(groups, group_idx)
-        return adam_coefficients(
+        decoupled = [bool(g.get("decoupled_weight_decay", self.decoupled_default)) for g in groups]
+        table = adam_coefficients(
             lr=pick(lambda g: g["lr"]), beta1=pick(lambda g: g["betas"][0]), beta2=pick(lambda g: g["betas"][1]),
             eps=pick(lambda g: g["eps"]), weight_decay=pick(lambda g: g["weight_decay"]), step=1,
-            decoupled=pick(lambda g: g.get("decoupled_weight_decay", self.decoupled_default)) != 0,
-            grad_div=grad_div, active=active)
+            decoupled=np.array(decoupled)[group_idx], grad_div=grad_div, active=active)
+        for g, group in enumerate(groups):  # a group holding tensors: torch's tensor arithmetic
+            scalars = adam_scalars(group, decoupled[g])
+            if scalars is not None:
+                rows = torch.from_numpy(np.flatnonzero(group_idx == g))
+                for name, value in scalars.items():
+                    table[rows, ADAM_COEFS.index(name)] = value
+        return table
 
     def step_inputs(self, groups, group_idx, bound, group, upload, scratch) -> tuple:
-        neg_lr = -_per_param(groups, group_idx)(lambda g: g["lr"])
+        neg_lr = -_per_param(groups, group_idx)(step_lr)
         bias = self._bias.get(groups, bound, group, upload, first=2 ** 16 if scratch.kept else 32)
         return (upload(torch.from_numpy(neg_lr), out=scratch.take("neg_lr", neg_lr.shape, torch.float64)),
                 bias.both, bias.base, bias.length)
@@ -177,10 +229,10 @@ class SGDAlgorithm(Algorithm):
     uniform_keys = ("nesterov", "maximize")
 
     def check_group(self, group: dict, i: int) -> None:
-        for key in ("lr", "momentum", "weight_decay"):
-            _check_nonneg(group, i, key)
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError(f"param group {i}: Nesterov momentum requires a momentum and zero dampening")
+        """torch.optim.SGD's constructor has checked the defaults; a group's own values are taken as torch
+        takes them (its update reads a tensor lr or weight_decay as a Python number: ``alpha=-lr``)."""
+        for key in ("lr", "momentum", "dampening", "weight_decay"):
+            check_scalar(group[key], i, key)
 
     def refresh(self, param_groups):
         super().refresh(param_groups)
@@ -207,7 +259,8 @@ class SGDAlgorithm(Algorithm):
 
 
 def _per_param(groups: list[dict], group_idx: np.ndarray):
-    """``pick(f)``: ``f`` of each parameter's group, as a float64 array (one Python call per group)."""
+    """``pick(f)``: ``f`` of each parameter's group, as a float64 array (one Python call per group; a tensor
+    is read as a Python number: a CPU tensor's read costs no wait, a CUDA tensor's is a host read)."""
     def pick(f):
         return np.array([float(f(g)) for g in groups], dtype=np.float64)[group_idx]
     return pick

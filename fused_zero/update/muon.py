@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import sgd_coefficients
 from . import step_columns
-from .algorithms import Algorithm, _check_nonneg, _per_param
+from .algorithms import Algorithm, _per_param, check_scalar
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (
     ("spectral_unclamped",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14) else ())
@@ -33,24 +33,32 @@ class MuonAlgorithm(Algorithm):
     phased = True
 
     def check_group(self, group: dict, i: int) -> None:
+        """torch.optim.Muon's constructor has checked the defaults (optimizer/__init__.py runs it), and its
+        refusals of a parameter are torch's here, word for word: one not 2-D (its constructor), a complex
+        one (its first step; here at once). A group's own values are taken as torch takes them, but for
+        what its step refuses (``ns_steps`` of 100 or more, ``ns_coefficients`` not three), refused here
+        in its words, before anything is laid out; an ``adjust_lr_fn`` torch does not know scales the
+        step by 1, as torch's ``_adjust_lr`` does."""
         names = group.get("param_names")
         for j, p in enumerate(group["params"]):
             if p.ndim != 2:
                 what = repr(names[j]) if names else f"parameter {j} of param group {i}"
-                raise ValueError(f"Muon only supports 2-D parameters, and {what} has size {tuple(p.shape)}: "
-                                 "give it to a fused_zero.AdamW over the same DDP module")
+                raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: "
+                                 f"{p.size()}: {what}; give it to a fused_zero.AdamW over the same DDP module")
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
         if group.get("state_format", "fp32") != "fp32":
             self.check_options({"state_format": group["state_format"]}, f"param group {i}")
         for key in ("lr", "momentum", "weight_decay", "eps"):
-            _check_nonneg(group, i, key)
-        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(f"param group {i}: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported by "
-                             f"torch {torch.__version__}'s Muon: use one of {ADJUST_LR_FNS}")
-        if not 0 < int(group["ns_steps"]) < 100 or int(group["ns_steps"]) != group["ns_steps"]:
-            raise ValueError(f"param group {i}: ns_steps must be an integer from 1 to 99, got {group['ns_steps']!r}")
+            check_scalar(group[key], i, key)
+        if int(group["ns_steps"]) != group["ns_steps"]:
+            raise ValueError(f"param group {i}: ns_steps must be an integer, got {group['ns_steps']!r}")
+        if group["ns_steps"] >= 100:
+            raise ValueError(f"Number of steps must be less than 100 for computational efficiency (param group {i}: "
+                             f"ns_steps={group['ns_steps']!r})")
         if len(tuple(group["ns_coefficients"])) != 3:
-            raise ValueError(f"param group {i}: ns_coefficients must be three floats (a, b, c), got "
-                             f"{group['ns_coefficients']!r}")
+            raise ValueError(f"Coefficients must be a tuple of exactly 3 values (param group {i}: ns_coefficients="
+                             f"{group['ns_coefficients']!r})")
 
     def state_names(self) -> list[str]:
         return ["momentum_buffer"]
@@ -136,13 +144,15 @@ def newton_schulz(x: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
-    """torch.optim.Muon's ``_adjust_lr``: the step's scale for a matrix of ``shape``."""
+    """torch.optim.Muon's ``_adjust_lr`` of the installed torch: the step's scale for a matrix of ``shape``
+    (``lr`` as the group holds it: a tensor lr gives a tensor, as torch's does); a function that torch does
+    not know scales by 1."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(rows, cols))
-    elif adjust_lr_fn == "spectral_unclamped":
+    elif adjust_lr_fn == "spectral_unclamped" and adjust_lr_fn in ADJUST_LR_FNS:
         ratio = math.sqrt(rows / cols)
     else:
         ratio = 1.0
@@ -162,4 +172,4 @@ def ns_flops(shape, ns_steps: int) -> int:
     """Matmul FLOPs of one Newton-Schulz orthogonalization of a matrix of ``shape``: each step is a
     Gram matrix (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m the smaller side."""
     m, n = sorted(int(s) for s in shape[:2])
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return max(ns_steps, 0) * (4 * m * m * n + 2 * m ** 3)

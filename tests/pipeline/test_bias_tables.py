@@ -42,7 +42,7 @@ def test_onecycle_keeps_the_pinned_memory_of_one_table():
             seen.append(_pinned(opt._engine))
     table = opt._algorithm._bias
     assert table.length >= 256, table.length  # it doubled on the way
-    rows = 16 * (table.length + 1)  # both float64 columns, at most the table's rows per staging shape
+    rows = 24 * (table.length + 1)  # three float64 columns, at most the table's rows per staging shape
     assert seen[-1][0] <= 2 * rows + 4096 and seen[-1][1] <= 8, (seen[-1], rows)
     assert len(set(seen[-40:])) == 1, seen[-40:]  # flat
 
@@ -86,6 +86,23 @@ def test_a_beta_changed_every_step_uploads_the_rows_it_changed():
         assert torch.equal(kept.both, fresh.both), beta1
         sizes.pop()  # the fresh table's own upload
     assert sizes[0] == kept.length + 1 >= saturation(0.999) and set(sizes[1:]) == {UPLOAD_ROWS}, sizes[:5]
+
+
+def test_a_table_holding_a_bfloat16_step_size_is_rewritten_whole_when_lr_changes():
+    """A bfloat16 tensor lr: the table holds the step size itself (step_columns.folds_lr), constant from
+    beta1's saturation on; a new lr rewrites every row, past that saturation too (the counts there read
+    the last rows), as a table made for it from nothing holds them."""
+    group = torch.zeros(1, dtype=torch.int64)
+
+    def upload(host, out=None):
+        return host.clone() if out is None else out.copy_(host)
+    kept = BiasTables()
+    for lr in (1e-2, 5e-3, 2.5e-3):
+        groups = [{"lr": torch.tensor(lr, dtype=torch.bfloat16), "betas": (0.5, 0.999)}]
+        kept.get(groups, 2000, group, upload)
+        fresh = BiasTables().get(groups, 2000, group, upload, first=kept.length)
+        assert kept.length == fresh.length > saturation(0.5) + UPLOAD_ROWS
+        assert torch.equal(kept.both, fresh.both), lr
 
 
 def test_a_rewritten_table_holds_what_a_new_one_would():

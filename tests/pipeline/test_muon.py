@@ -57,7 +57,7 @@ def test_adjust_lr_fn_is_the_installed_torchs():
         if torch_takes:
             fused_zero.Muon(model.parameters(), ddp=model, adjust_lr_fn=fn)
         else:
-            with pytest.raises(ValueError, match="adjust_lr_fn"):
+            with pytest.raises(ValueError, match=f"Adjust learning rate function {fn} is not supported"):
                 fused_zero.Muon(model.parameters(), ddp=model, adjust_lr_fn=fn)
 
 
@@ -159,8 +159,8 @@ def _refused(rank: int, world: int, what: str) -> str:
 
 
 @pytest.mark.parametrize("what,named", [
-    ("1-D", "parameter 2 of param group 0 has size (6,)"),
-    ("named 1-D", "'0.bias' has size (6,)"),
+    ("1-D", "parameter with size: torch.Size([6]): parameter 2 of param group 0;"),
+    ("named 1-D", "parameter with size: torch.Size([6]): '0.bias';"),
     ("twice", "2.weight"),
     ("late", "attached to a DDP module whose layout is already settled, with the fused_zero optimizers "
              "attached by its first forward (Muon)"),
