@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fused_zero
 from fused_zero.demo.spawn import _free_port
 from fused_zero.pipeline.buckets.layout import alignment
+from fused_zero.pipeline.reducing import hooks
 
 PLAIN_IN_GROUP = "plain .*OddNet while a process group of 2 ranks .*DistributedDataParallel\\(model\\)"
 
@@ -34,7 +35,7 @@ def _snapshot(model):
 
 def _hooks_of(ddp):
     """What fused_zero would have registered: forward pre-hooks, state_dict pre-hooks, a comm hook."""
-    pre = sum(len(m._forward_pre_hooks) for m in ddp.module.modules())
+    pre = sum(len(m._forward_pre_hooks) + len(hooks.forward_pre_hooks_of(m)) for m in ddp.module.modules())
     return pre, len(ddp.module._state_dict_pre_hooks), ddp._get_ddp_logging_data().get("comm_hook")
 
 

@@ -212,6 +212,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
         for name, region in filled.items():  # moments encoded in their format, as an update would
             if region is not shard.live(name, member):
                 shard.load_values(name, region, hold, member)
+    engine.layout.masters_loaded()
     steps = engine.steps
     for i, saved in entries.items():
         steps[i] = saved_step(engine, saved)

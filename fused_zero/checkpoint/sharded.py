@@ -323,3 +323,4 @@ def _apply(engine, groups, values) -> None:
             if regions[name] is not shard.live(name, member):
                 shard.load_values(name, regions[name], hold, member)
     engine.steps = steps
+    engine.layout.masters_loaded()

@@ -129,7 +129,7 @@ class Hub:
     def _install_guard(self) -> None:
         if self._guard is None:
             module = self.ddp.module if isinstance(self.ddp, LocalModule) else self.ddp
-            self._guard = module.register_forward_pre_hook(_Settle(self))
+            self._guard = hooks.forward_pre_hook(module, _Settle(self))
 
     def _build(self) -> None:
         """The layout is settled (every parameter owned, or the module's first forward): check each

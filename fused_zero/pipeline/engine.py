@@ -33,6 +33,7 @@ from .local import LocalModule
 from .members import Member
 from .reducing import hooks
 from .reducing.reduction import Reduced, Reduction
+from .reducing.weight_watch import WeightWatch
 from .step_end.amp import ScalerLink
 from .step_end.step_graph import StepGraph, check_capturable
 from .step_end.step_policy import StepPolicy
@@ -72,6 +73,8 @@ class _Iteration:
         found_inf: float32 ``[members]`` device flags, non-zero once an update of the member was skipped in
             this iteration (non-finite gradients of the member on some rank, or an edit of its ``.grad``
             that cannot be honored).
+        written: the parameters the user wrote before this iteration's updates (reducing/weight_watch.py);
+            ``wrote``: their bits, which every rank must agree on.
     """
 
     hparams: list[list[dict]] | None = None
@@ -86,6 +89,8 @@ class _Iteration:
     waited: list[Reduced] = field(default_factory=list)
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
+    written: list = field(default_factory=list)
+    wrote: tuple = WeightWatch.bits([])
 
     def reduced(self) -> list[Reduced]:
         """Every bucket reduced in this iteration so far, in bucket order."""
@@ -182,6 +187,7 @@ class Engine(Stepping):
             compile_kernels(self)  # warmup.py
         self._handles = []
         self._install()
+        self.weights = WeightWatch(self.params, [m != NO_MEMBER for m in self.member_of])
 
     def _install(self) -> None:
         """The mutations, once everything is checked: parameters become views of the flat buffers,
@@ -284,6 +290,7 @@ class Engine(Stepping):
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
         it.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
         self.side.follow()
+        self.written_weights(it)  # weights the user wrote since the last update, before this one reads them
 
     @staticmethod
     def _read_hparams(member) -> list[dict]:

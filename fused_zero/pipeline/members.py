@@ -117,6 +117,12 @@ class StateLayout:
         buckets/rebuild.py)."""
         return rebuild.pending(self._engine)
 
+    def masters_loaded(self) -> None:
+        """A load wrote the masters from a state dict (after the weights they round to): the weights as
+        they are now count as seen, so that the next update does not take the masters afresh from a
+        model load made before this one (pipeline/reducing/weight_watch.py)."""
+        self._engine.weights.look()
+
     @property
     def holding(self) -> bool:
         return self._engine.holding

@@ -697,3 +697,35 @@ def test_a_refusal_one_rank_alone_sees_raises_on_every_rank(overlap):
         assert not seen["hazards"] and not seen["syncs"], seen
     plain = run_ranks(_late_lr_on_rank_zero, 2, False, overlap)
     assert [r["raised"][:3] for r in plain] == [(3, "step", "RuntimeError")] * 2, plain
+
+
+# ---------------------------------------------------------------------- reading the parameters outside a forward
+
+
+def _ema_after_step(rank, world, synchronized: bool):
+    """An EMA of the parameters updated after every ``step()`` (AveragedModel's loop), with
+    param_sync="forward", whose all-gathers are still in flight when ``step()`` returns: with
+    ``opt.synchronize()`` first (docs/usage.md) and without. Returns the checker's hazards."""
+    ema = []
+
+    def after_step(opt, step):
+        if synchronized:
+            opt.synchronize()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        with torch.no_grad():
+            if not ema:
+                ema.extend(p.detach().clone() for p in params)
+            for e, p in zip(ema, params):
+                e.mul_(0.9).add_(p, alpha=0.1)
+
+    with StreamChecker() as checker:
+        train(rank, {**BASE, "param_sync": "forward"}, checker, steps=3, after_step=after_step)
+    return [str(h) for h in checker.hazards()]
+
+
+def test_an_ema_read_after_step_with_param_sync_forward_waits_for_synchronize():
+    """The stale read ``opt.synchronize()`` prevents: without it the EMA reads parameters an all-gather is
+    still writing (named by the checker); with it, no hazard."""
+    assert run_ranks(_ema_after_step, 2, True) == [[], []]
+    for hazards in run_ranks(_ema_after_step, 2, False):
+        assert any("collectives.all_gather" in h for h in hazards), hazards

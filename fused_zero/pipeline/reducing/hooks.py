@@ -18,9 +18,14 @@ before its first layer runs (which is what ``param_sync="step"`` does):
 
 from __future__ import annotations
 
+import copy
+import functools
+import itertools
 import weakref
+from collections import OrderedDict
 
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ..comm.profiling import range_push
 
@@ -49,9 +54,9 @@ def register(engine, handles: list) -> None:
     for module in root.modules():
         pids = sorted({gathered[p] for p in reach(module, root) if p in gathered})
         if pids or module is root:
-            handles.append(module.register_forward_pre_hook(ForwardWait(engine, pids, module is root)))
+            handles.append(forward_pre_hook(module, ForwardWait(engine, pids, module is root)))
     # model.state_dict() reads the parameters: give it their updated values
-    handles.append(root.register_state_dict_pre_hook(lambda *a, **k: engine.synchronize()))
+    handles.append(state_dict_pre_hook(root, Synchronize(engine)))
     if engine.reduction.track_used:
         for p, pid in gathered.items():
             handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
@@ -66,6 +71,122 @@ def register(engine, handles: list) -> None:
         if recorded and recorded[-1][1] is state:
             recorded.pop()
         raise
+
+
+# ------------------------------------------------------------------ hooks the module's copies leave behind
+#
+# Training scripts copy the module the optimizer trains: ``copy.deepcopy(model)`` (every EMA and SWA:
+# torch.optim.swa_utils.AveragedModel, timm's ModelEma; an evaluation snapshot), ``torch.save(model)``,
+# ``pickle``. A copy is a plain module: it must carry none of fused_zero's hooks, which reach the engine
+# (its streams, its process groups: nothing a copy or a pickle can hold) and wait for all-gathers that
+# are not the copy's. torch keeps a module's hooks in its ``__dict__``, which both copies copy; so
+# fused_zero keeps its forward pre-hooks outside the modules, behind one global forward pre-hook
+# (``forward_pre_hook``), and its state_dict pre-hook in a dict whose copies leave it out
+# (``state_dict_pre_hook``).
+
+_FORWARD: dict[int, dict] = {}
+"""``id(module)`` -> {key: hook}: the forward pre-hooks fused_zero keeps for a module, dropped with the module
+(``weakref.finalize``) or the handle. Keyed by ``id``, a plain dict: torch.compile traces the global hook
+into every compiled module's forward, and dynamo follows a dict lookup by ``id`` where it cannot follow
+a weak reference."""
+_GLOBAL: list = []  # torch's handle of the one global forward pre-hook, while some module has one here
+_KEYS = itertools.count()
+
+
+def forward_pre_hook(module: nn.Module, hook) -> ForwardHandle:
+    """Call ``hook(module, args)`` before each forward of ``module``, as
+    ``module.register_forward_pre_hook(hook)`` would (global forward pre-hooks run just before a module's
+    own), but with nothing in ``module``: its copies carry none of it (the comment above)."""
+    key = next(_KEYS)
+    if id(module) not in _FORWARD:
+        _FORWARD[id(module)] = {}
+        weakref.finalize(module, _drop, id(module))
+    _FORWARD[id(module)][key] = hook
+    if not _GLOBAL:
+        _GLOBAL.append(torch_module.register_module_forward_pre_hook(_forward_pre_hooks))
+    return ForwardHandle(module, key)
+
+
+def _drop(module_id: int) -> None:
+    """A module is gone: its hooks with it (its id may be another module's next)."""
+    _FORWARD.pop(module_id, None)
+    if not _FORWARD and _GLOBAL:
+        _GLOBAL.pop().remove()
+
+
+def forward_pre_hooks_of(module: nn.Module) -> list:
+    """The forward pre-hooks fused_zero keeps for ``module`` (tests check what a refusal leaves behind)."""
+    return list(_FORWARD.get(id(module), {}).values())
+
+
+def _forward_pre_hooks(module: nn.Module, args) -> None:
+    hooks = _FORWARD.get(id(module))
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(module, args)
+
+
+class ForwardHandle:
+    """``remove()`` removes a hook of ``forward_pre_hook``'s (and the global one with the last)."""
+
+    def __init__(self, module: nn.Module, key: int):
+        self.module, self.key = weakref.ref(module), key
+
+    def remove(self) -> None:
+        module = self.module()
+        hooks = _FORWARD.get(id(module)) if module is not None else None
+        if hooks is not None:
+            hooks.pop(self.key, None)
+            if not hooks:
+                del _FORWARD[id(module)]
+        if not _FORWARD and _GLOBAL:
+            _GLOBAL.pop().remove()
+
+
+class _WithoutOurs(OrderedDict):
+    """A module's ``_state_dict_pre_hooks`` whose copies (``copy.deepcopy``, pickle) are plain OrderedDicts
+    without fused_zero's hooks: what a copy of the module holds then needs no fused_zero to load."""
+
+    def __deepcopy__(self, memo):
+        return OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self.items() if not isinstance(v, Synchronize))
+
+    def __reduce__(self):
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self.items() if not isinstance(v, Synchronize)])
+
+
+def state_dict_pre_hook(module: nn.Module, hook: Synchronize):
+    """``module.register_state_dict_pre_hook(hook)``, left out of the module's copies: the module's dict
+    of state_dict pre-hooks becomes a ``_WithoutOurs`` where it holds none yet (a user's handle of an earlier
+    hook refers to the dict it was registered in, which stays), else ``hook`` copies as a hook that does
+    nothing (``Synchronize.__reduce__``)."""
+    if type(module._state_dict_pre_hooks) is OrderedDict and not module._state_dict_pre_hooks:
+        module._state_dict_pre_hooks = _WithoutOurs()
+    return module.register_state_dict_pre_hook(hook)
+
+
+class Synchronize:
+    """State_dict pre-hook: the engine's pending all-gathers waited for before ``state_dict()`` reads the
+    parameters (``param_sync="forward"``). Held weakly; a copy of it (where the module's hooks dict could
+    not leave it out) does nothing."""
+
+    def __init__(self, engine):
+        self.engine = weakref.ref(engine)
+
+    def __call__(self, module, prefix, keep_vars) -> None:
+        engine = self.engine()
+        if engine is not None:
+            engine.synchronize()
+
+    def __deepcopy__(self, memo):
+        return NOTHING
+
+    def __reduce__(self):
+        return functools.partial, (slice,)
+
+
+NOTHING = functools.partial(slice)
+"""What a copied ``Synchronize`` is: it takes the hook's three arguments and changes nothing, and it
+pickles as builtins only, so that a saved copy loads where fused_zero is not installed."""
 
 
 def reach(module: nn.Module, root: nn.Module):
@@ -103,17 +224,20 @@ def _comm_hook(state: HookState, bucket):
 class ForwardWait:
     """Forward pre-hook: wait for the gathers of the buckets holding the parameters this module's
     forward can reach (``reach``); the root also raises a refusal another rank made known and orders
-    the compute stream after the side stream."""
+    the compute stream after the side stream. Holds the engine weakly: kept in a map keyed by the module
+    (``forward_pre_hook``), a strong reference would keep the module, and the engine, forever."""
 
     def __init__(self, engine, pids: list[int], root: bool):
-        self.engine, self.pids, self.root = engine, pids, root
+        self.engine, self.pids, self.root = weakref.ref(engine), pids, root
 
     def __call__(self, module, args):
+        engine = self.engine()
+        if engine is None:
+            return
         if self.root:
-            engine = self.engine
             engine.policy.refusals.check(wait=False)  # one another rank made known (refusals.py)
             engine.side.join()
-        where = self.engine.registry.where
+        where = engine.registry.where
         for pid in self.pids:
             shard = where[pid][0]
             if shard.gather is not None:

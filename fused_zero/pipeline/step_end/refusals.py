@@ -23,9 +23,9 @@ import torch
 
 from ..comm import collectives
 
-FLAGS = ("edited", "changed")
+FLAGS = ("edited", "changed", "written")
 """What a ``step()`` may refuse: an edit of ``.grad`` it cannot honor, param groups changed after the update
-read them."""
+read them, parameters written after the update read them (reducing/weight_watch.py)."""
 
 
 @dataclass
@@ -34,9 +34,10 @@ class _Entry:
 
     member: str
     event: object
-    host: torch.Tensor  # pinned: every rank's flags, summed, once ``event`` has passed
+    host: torch.Tensor  # pinned: every rank's flags and bits, summed, once ``event`` has passed
     mine: tuple[bool, ...]
     step: int
+    world: int
 
 
 class RefusedOnAnotherRank(RuntimeError):
@@ -55,16 +56,18 @@ class Refusals:
         self.steps = 0
         self._spare: list[torch.Tensor] = []  # pinned buffers of the entries read
 
-    def agree(self, member, *flags: bool) -> list[bool]:
-        """Whether each of ``member``'s ``step()`` flags holds on some rank: on the CPU, every rank's
-        now; on CUDA this rank's now, the others' later (``check``)."""
+    def agree(self, member, *flags: bool, same: tuple[bool, ...] = ()) -> tuple[list[bool], bool]:
+        """Whether each of ``member``'s ``step()`` flags (``FLAGS``) holds on some rank, and whether every
+        rank has the same ``same`` bits (the parameters each wrote: reducing/weight_watch.py): on the CPU,
+        every rank's now; on CUDA this rank's now (and True), the others' later (``check``)."""
         e = self.engine
         if e.world == 1:
-            return list(flags)
-        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+            return list(flags), True
+        values = torch.tensor([int(f) for f in (*flags, *same)], dtype=torch.int32)
         if not e.side.asynchronous:
             collectives.all_reduce(values, e.group).wait()
-            return [bool(v > 0) for v in values]
+            sums = values.tolist()
+            return [v > 0 for v in sums[:len(flags)]], _agreed(sums[len(flags):], e.world)
         self.steps += 1
         side = e.side
         with side.run(follow_current=False, relay=True):
@@ -74,8 +77,8 @@ class Refusals:
             side.api.to_host(flags_on_device, host)
             event = side.api.event()
             event.record(side.relay)
-        self.pending.append(_Entry(member.name, event, host, tuple(flags), self.steps))
-        return list(flags)
+        self.pending.append(_Entry(member.name, event, host, tuple(flags), self.steps, e.world))
+        return list(flags), True
 
     def check(self, wait: bool = True) -> None:
         """Raise for a refusal another rank made known: read every entry whose copy is done (no wait);
@@ -87,17 +90,36 @@ class Refusals:
                     return
                 entry.event.synchronize()
             self.pending.pop(0)
-            seen = [bool(v > 0) for v in entry.host.tolist()]
+            sums = entry.host.tolist()
             self._spare.append(entry.host)
+            seen = [v > 0 for v in sums[:len(entry.mine)]]
+            if not _agreed(sums[len(entry.mine):], entry.world):
+                self.pending.clear()
+                raise RuntimeError(partial_write_message(entry.member))
             others = [name for name, s, m in zip(FLAGS, seen, entry.mine) if s and not m]
             if others and not any(entry.mine):
                 self.pending.clear()
                 raise RefusedOnAnotherRank(_message(entry.member, others, self.engine))
 
 
+def _agreed(sums: list[int], world: int) -> bool:
+    """Every rank had the same bits: each bit's sum over the ranks is 0 or ``world``."""
+    return all(s in (0, world) for s in sums)
+
+
+def partial_write_message(member: str) -> str:
+    return (f"{member}: the parameters were written (model.load_state_dict, p.copy_, nn.init, p.data = ...) on "
+            "some ranks and not on others, or different ones on different ranks, before the last update. Each "
+            "rank updates its own slice of every parameter, from its own weights, so the replicas would hold a "
+            "mix of both: refused on every rank. Write the weights on every rank alike (load the same state dict "
+            "everywhere, or write on rank 0 and torch.distributed.broadcast the parameters before the next "
+            "forward)")
+
+
 def _message(member: str, flags: list[str], engine) -> str:
     what = {"edited": "param.grad was changed between backward and optimizer.step()",
-            "changed": "param_groups changed between backward and optimizer.step()"}
+            "changed": "param_groups changed between backward and optimizer.step()",
+            "written": "the parameters were written between backward and optimizer.step()"}
     return (f"{member}: on another rank, {' and '.join(what[f] for f in flags)} in its last step(), which "
             f"overlap={engine.overlap!r} with grad_reduce={engine.grad_reduce!r} cannot honor, and that rank "
             "raised: this rank raises too, rather than wait for it in the next collective. The change was made "

@@ -22,7 +22,7 @@ import torch
 from ...options import WHOLE_STEP
 from ..buckets.strides import strided_view
 from ..reducing.grad_watch import GradWatch
-from .refusals import Refusals
+from .refusals import Refusals, partial_write_message
 
 
 class StepPolicy:
@@ -150,23 +150,44 @@ class StepPolicy:
             if view.data_ptr() != g.data_ptr() or view.stride() != g.stride():
                 view.copy_(g)
 
-    def refuse(self, member, edited: bool, changed: list[str], found: torch.Tensor) -> None:
+    def refuse(self, member, edited: bool, changed: list[str], found: torch.Tensor, written: list[int],
+               wrote: tuple[bool, ...]) -> None:
         """After ``member``'s ``step()``: raise, on every rank, for what its update could not honor (an
-        edit of its ``.grad``, a hyperparameter set after the update read it; refusals.py agrees on them
-        across ranks), then, with ``on_nonfinite="raise"``, for a skipped step (``found``: its flag)."""
+        edit of its ``.grad``, a hyperparameter set or a parameter written after the update read it,
+        parameters written on some ranks only: ``wrote``, this rank's bits of the iteration's writes,
+        reducing/weight_watch.py; refusals.py agrees on them across ranks), then, with
+        ``on_nonfinite="raise"``, for a skipped step (``found``: its flag)."""
         e = self.engine
-        if not (e.local or (e.overlap == "step" and e.grad_reduce == "all_reduce")):
-            edited, changed_anywhere = self.refusals.agree(member, edited, bool(changed))
+        if not e.local:
+            honors = e.overlap == "step" and e.grad_reduce == "all_reduce"  # edits, late hyperparameters
+            flags = (False, False) if honors else (edited, bool(changed))
+            (edited, changed_anywhere, written_anywhere), agreed = self.refusals.agree(
+                member, *flags, bool(written), same=wrote)
+            if not agreed:
+                raise RuntimeError(partial_write_message(member.name))
             if edited:
                 self.refuse_edit()
             if changed_anywhere:
                 self.refuse_hparams(changed)
+            if written_anywhere:
+                self.refuse_written(written)
         # a host read of a device flag: a synchronization on CUDA, paid only by on_nonfinite='raise'
         if e.on_nonfinite == "raise" and member.scaler is None and bool(found):
             raise FloatingPointError(
                 f"{member.name}: its reduced gradients hold an inf or NaN on some rank; its step was skipped "
                 "on every rank (on_nonfinite='raise'; on_nonfinite='skip' skips silently and counts "
                 "skipped_steps)")
+
+    def refuse_written(self, written: list[int]) -> None:
+        """Raise for parameters written between the backward and ``step()`` in a mode whose update ran in
+        the backward (their all-gather may also land after the write)."""
+        e = self.engine
+        where = f"parameters {written}" if written else "on another rank"
+        raise RuntimeError(
+            f"the parameters were written between backward and optimizer.step() ({where}), but with overlap="
+            f"{e.overlap!r} the update ran in the backward, from the weights before the write, and its all-gather "
+            "may land after it: this step was applied without the write. Write the weights before the forward "
+            "(or after step()), or use overlap='step', which updates the weights as they are at step()")
 
     def refuse_edit(self) -> None:
         """Raise for an edit that the update could not honor (on every rank that learned of it)."""

@@ -14,6 +14,7 @@ import torch
 
 from ..buckets import rebuild
 from ..comm.profiling import range_push
+from ..reducing.weight_watch import refresh_masters
 
 
 class Stepping:
@@ -42,17 +43,19 @@ class Stepping:
         self.policy.check_scaler_use(member, via_scaler)
         it.stepped.add(member.index)
         edited, honored = self.policy.edits(member, via_scaler, grad_scale)
-        changed = []
-        if self.overlap == "step":  # the update runs now: the hyperparameters as they are now
+        changed, late = [], self.written_weights(it)
+        if self.overlap == "step":  # the update runs now: the hyperparameters and the weights as they are now
             self._step_member(it, member, grad_scale, bool(edited), honored)
-        else:  # the update ran in the backward, with the hyperparameters of the first bucket
+            late = []
+        else:  # the update ran in the backward, with the hyperparameters and weights of the first bucket
             changed = self.policy.hparams_changed(member, it.hparams_key[member.index])
         self._count_skip(it, member)
         if len(it.stepped) == len(self.members):
             self._end_iteration(it)
         else:
             self._join()
-        self.policy.refuse(member, bool(edited), changed, it.found_inf[member.index:member.index + 1])
+        self.policy.refuse(member, bool(edited), changed, it.found_inf[member.index:member.index + 1], late,
+                           it.wrote)
 
     def _step_member(self, it, member, grad_scale, edited: bool, honored: bool) -> None:
         """overlap="step": the member's update, now."""
@@ -71,10 +74,11 @@ class Stepping:
             return
         it = self.iteration
         it.stepped.add(member.index)
+        self.written_weights(it)
         self._step_member(it, member, grad_scale, False, True)
         self._count_skip(it, member)
         self._end_iteration(it)
-        self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1])
+        self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1], [], it.wrote)
 
     def backward_before_steps(self) -> None:
         """The first bucket of a synced backward that starts before every member stepped after the last
@@ -119,6 +123,26 @@ class Stepping:
                 self.synchronize()
         else:
             self.side.join()
+
+    def written_weights(self, it) -> list[int]:
+        """The parameters the user wrote since the update last looked (reducing/weight_watch.py): their
+        masters taken afresh from them, on the side stream after the write (queued on the current
+        stream), before any update reads them; ``it.wrote``: this iteration's bits for the ranks'
+        agreement (step_policy.refuse). Returns them."""
+        pids = self.weights.written(self._buffer_of)
+        if pids:
+            shards = {id(self.registry.where[pid][0]): self.registry.where[pid][0] for pid in pids}
+            with self.side.run(follow_current=True):
+                for shard in shards.values():
+                    refresh_masters(shard, pids)
+            it.written = sorted(set(pids) | set(it.written))
+            it.wrote = self.weights.bits(it.written)
+        return pids
+
+    def _buffer_of(self, pid: int):
+        """Where parameter ``pid``'s data lies: its bucket's parameter buffer and its offset there."""
+        shard, local = self.registry.where[pid]
+        return shard.param_buffer, shard.layout.offsets[local]
 
     def _count_skip(self, it, member) -> None:
         """The member's skip flag into its skipped-step counter and its GradScaler's found-inf tensors.
