@@ -217,19 +217,16 @@ class StateDictBuilder:
 
 def is_state_init_step(engine) -> bool:
     """Whether a step() with no backward before it is torch's state initialization
-    (torch.distributed.checkpoint.state_dict._init_optim_state): no state yet, every gradient a zero
-    tensor, every learning rate 0. torch.optim then only creates zero state (Adam: step 1)."""
-    if engine.steps.any():
+    (torch.distributed.checkpoint.state_dict._init_optim_state): no state torch.optim would show
+    (``bool(opt.state)``, which DCP tests: a stateless optimizer, SGD without momentum, shows none
+    after any number of steps, and DCP steps it at every save and load), every gradient a zero tensor,
+    every learning rate 0. torch.optim's step then makes the state as a first step makes it, and leaves
+    the parameters (pipeline/step_end/stepping.py's ``state_init_step`` runs that step)."""
+    if any(has_state(engine, i) for i in range(len(engine.table.params))):
         return False
     if any(float(g.get("lr", 0.0)) != 0.0 for g in engine.opt.param_groups):
         return False
     return all(p.grad is not None and not bool(p.grad.any()) for p in engine.table.params)
-
-
-def run_state_init_step(engine) -> None:
-    """What torch.optim's step does with zero gradients at lr 0 on a fresh optimizer: the moments stay
-    zero and the parameters unchanged; only the step counts advance."""
-    engine.steps += 1
 
 
 def local_entry(engine, i: int) -> dict:

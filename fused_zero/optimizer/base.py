@@ -202,7 +202,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if engine.iteration.invoked == 0 and not engine.iteration.stepped and \
                 canonical.is_state_init_step(self._view):
-            canonical.run_state_init_step(self._view)  # torch.distributed.checkpoint's helpers do this
+            engine.state_init_step(self._member)  # torch.distributed.checkpoint's helpers do this
             return loss
         iteration, me = engine.iteration, self._member.index
         before = me in iteration.stepped
@@ -272,29 +272,53 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         Trainer do: the other ranks serve their shards from a thread, whatever they do meanwhile (see
         checkpoint/serving.py). ``to=None``: the calling rank gets the whole dict; ``to=r``: rank r
         does, and the other ranks calling it get None once rank r has asked.
-        Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication)."""
-        if self._engine is None:
-            return loading.kept_state_dict(self, self._kept)
-        return canonical.state_dict(self._view, self._peers, to)
+        Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication).
+        torch.optim's state_dict hooks run as torch.optim runs them (``_with_state_dict_hooks``)."""
+        return self._with_state_dict_hooks(lambda: loading.kept_state_dict(self, self._kept) if self._engine is None
+                                           else canonical.state_dict(self._view, self._peers, to))
+
+    def _with_state_dict_hooks(self, build):
+        """``build()``'s dict between torch.optim's state_dict hooks, as ``torch.optim.Optimizer.state_dict``
+        calls them: every pre-hook with the optimizer first, then every post-hook with the dict, a hook's
+        returned dict taking its place (on a rank that gets no dict, the pre-hooks only)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = build()
+        if state_dict is None or (isinstance(state_dict, dict) and not state_dict and self._engine is not None):
+            return state_dict  # another rank's dict (``to=``, written_by)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _state_dict_written_by(self, writer: int) -> dict:
         """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
         alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
         ranks, once ``writer`` has been served (see canonical.written_by)."""
-        if self._engine is None:
-            return loading.kept_state_dict(self, self._kept)  # no communication: every rank has it
-        return canonical.written_by(self._view, self._peers, writer)
+        return self._with_state_dict_hooks(
+            lambda: loading.kept_state_dict(self, self._kept) if self._engine is None  # no communication
+            else canonical.written_by(self._view, self._peers, writer))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
         checking all of it: a refused dict raises and changes nothing. Load the model's weights first.
         Call on every rank. Unattached: checked as far as it can be without the buckets, the param
-        groups loaded, and the state kept until ``attach`` lays it out (checkpoint/loading.py)."""
+        groups loaded, and the state kept until ``attach`` lays it out (checkpoint/loading.py).
+        torch.optim's load_state_dict hooks run as torch.optim runs them: the pre-hooks on a shallow copy
+        of the dict (a returned dict takes its place), the post-hooks once it is loaded."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if self._engine is None:
             self._kept = loading.keep_until_attach(self, state_dict)
-            return
-        loading.load_state_dict(self._view, state_dict)
-        self._peers.published(by_step=False)
+        else:
+            loading.load_state_dict(self._view, state_dict)
+            self._peers.published(by_step=False)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,

@@ -147,7 +147,9 @@ def refused_and_helpers(rank, world, path):
         "missing": (edited(lambda sd: sd["state"][first].pop("exp_avg_sq")), "lacks 'exp_avg_sq'"),
         "nan": (edited(lambda sd: sd["state"][first]["exp_avg"].view(-1).__setitem__(0, float("nan"))),
                 "non-finite"),
-        "hparam": (edited(lambda sd: sd["param_groups"][1].update(lr=-1.0)), "lr"),
+        # a group's values are taken as torch.optim takes them (a negative lr too), but a beta of 1, whose bias
+        # correction is 0, is refused
+        "hparam": (edited(lambda sd: sd["param_groups"][1].update(betas=(1.0, 0.999))), "beta"),
         "garbage": ({"state": [1, 2], "param_groups": []}, "not an optimizer state dict"),
         # one rank's copy is corrupt: both refuse
         "one_rank": (edited(lambda sd: sd["state"][first]["exp_avg"].view(-1).__setitem__(0, float("inf")))

@@ -14,6 +14,7 @@ import torch
 
 from ..buckets import rebuild
 from ..comm.profiling import range_push
+from ..reducing.reduction import Reduced
 from ..reducing.weight_watch import refresh_masters
 
 
@@ -79,6 +80,26 @@ class Stepping:
         self._count_skip(it, member)
         self._end_iteration(it)
         self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1], [], it.wrote)
+
+    def state_init_step(self, member) -> None:
+        """torch.distributed.checkpoint's state initialization of ``member`` (checkpoint/canonical.py's
+        ``is_state_init_step``: DCP sets every gradient to zeros and every lr to 0, then steps): torch.optim's
+        step on zero gradients at lr 0, which makes the state as a first step makes it (not always zero:
+        Adam's coupled weight decay, SGD's momentum with weight decay) and leaves the parameters as they
+        are. Run here as that very step: the member's update of every bucket from zero gradients, every
+        parameter active, as overlap="step" runs it (every rank runs it: DCP's helpers are collective)."""
+        it = self.iteration
+        self._start_iteration(it)
+        for shard in self.shards():
+            if member.index in shard.member_set:
+                zeros = torch.zeros(shard.layout.numel, dtype=shard.param_buffer.dtype, device=self.device)
+                shard.reduced_buffer = zeros
+                it.ready.append(Reduced(shard, shard.all_active, [], zeros, zeros))
+        it.invoked, it.last_invoked = len(it.ready), True
+        it.stepped.add(member.index)
+        self._step_member(it, member, None, False, True)
+        self._count_skip(it, member)
+        self._end_iteration(it)
 
     def backward_before_steps(self) -> None:
         """The first bucket of a synced backward that starts before every member stepped after the last
