@@ -28,7 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoint import loading
 from ..options import ddp_params, member_params, param_name
 from ..pipeline.engine import Engine
-from ..pipeline.local import OVERRIDES, LocalModule, refuse_plain_module_in_group
+from ..pipeline.local import (
+    OVERRIDES,
+    LocalModule,
+    PythonReducerDDP,
+    refuse_plain_module_in_group,
+    uses_python_reducer,
+)
 from ..pipeline.reducing import hooks
 
 PER_OPTIMIZER = ("state_format",)
@@ -175,9 +181,11 @@ def not_attached(opt, what: str) -> str:
 
 def check_ddp(ddp):
     """``ddp`` must be the DistributedDataParallel module itself, whose buckets are what gets sharded;
-    or, in one process, a plain module, which is given a LocalModule's place (pipeline/local.py)."""
+    or, in one process, a plain module, which is given a LocalModule's place (pipeline/local.py). A DDP
+    module built under ``optimize_ddp="python_reducer"`` reduces per parameter, without buckets: it is
+    given a PythonReducerDDP's place (pipeline/local.py)."""
     if isinstance(ddp, DistributedDataParallel):
-        return ddp
+        return PythonReducerDDP(ddp) if uses_python_reducer(ddp) else ddp
     kind = f"{type(ddp).__module__}.{type(ddp).__qualname__}"
     inner = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
     if isinstance(inner, DistributedDataParallel):

@@ -8,6 +8,16 @@ update runs and the iteration ends as ``overlap="step"`` ends it. So gradients
 accumulate in ``param.grad`` over any number of backwards, edits of ``.grad`` (clipping,
 ``scaler.unscale_``) and late hyperparameters are honored, and a parameter whose ``.grad`` is None is
 skipped, as torch.optim does. The copy costs one pass over the gradients per step.
+
+A DDP module built under ``torch._dynamo.config.optimize_ddp = "python_reducer"`` (compiled autograd's
+DDP) takes the same path at any world size (``PythonReducerDDP``). Its C++ reducer keeps no buckets: each
+parameter's post-accumulate-grad hook, traced into the compiled autograd graph, all-reduces that
+``param.grad`` alone (divided by W first, through functional collectives), and calls a registered comm
+hook instead with ``(param.grad, param)`` in place of a bucket, its return value dropped: no bucket to
+shard, no index, no future. So fused_zero registers no comm hook there; DDP leaves ``param.grad`` its
+average, as it does for DDP + torch.optim, and ``step()`` hands it over as above; the engine reduces
+nothing again (``reduces``), updates this rank's slice and gathers the slices into every rank's
+parameters. The state stays sharded; the gradients travel in DDP's all-reduce.
 """
 
 from __future__ import annotations
@@ -101,3 +111,29 @@ class LocalModule:
                 offset += p.numel()
             engine.on_bucket(_Bucket(index, buffer, params, grads, index == len(by_dtype) - 1))
         return True
+
+
+def uses_python_reducer(ddp) -> bool:
+    """Whether ``ddp`` was built under ``optimize_ddp="python_reducer"``: DDP reads the setting once, in its
+    constructor, and keeps it as ``_use_python_reducer`` (torch 2.11 to 2.15)."""
+    return bool(getattr(ddp, "_use_python_reducer", False))
+
+
+class PythonReducerDDP(LocalModule):
+    """A python-reducer DDP module's place (module docstring): its gradients are handed from ``step()``, as
+    a plain module's, already averaged by DDP over its process group. It keeps the DDP module's process
+    group (the shards' and the all-gathers'), its ignored parameters and its comm hooks (a comm hook of
+    the user's is refused as on any DDP module)."""
+
+    reduces = True
+    """``param.grad`` is DDP's average when ``step()`` reads it: the engine does not reduce it again."""
+
+    def __init__(self, ddp):
+        super().__init__(ddp.module)
+        self.ddp = ddp
+        self.process_group = ddp.process_group
+        self.parameters_to_ignore = getattr(ddp, "parameters_to_ignore", ())
+        self._comm_hooks = getattr(ddp, "_comm_hooks", [])  # DDP's own list: a hook the user registered
+
+    def _get_ddp_logging_data(self) -> dict:
+        return self.ddp._get_ddp_logging_data()

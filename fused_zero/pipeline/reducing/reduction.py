@@ -66,6 +66,8 @@ class Reduction:
             collectives.all_reduce_replaces_reduce_scatter) instead of a reduce-scatter in the shard group.
         grad_div: what the kernel divides each parameter's reduced gradient by (1 where the reduction
             averaged already).
+        reduced_by_ddp: DDP's python reducer averaged ``param.grad`` already (local.PythonReducerDDP): the
+            buckets handed from ``step()`` are not reduced again.
     """
 
     def __init__(self, engine, ddp):
@@ -75,11 +77,20 @@ class Reduction:
         self.grad_reduce = engine.grad_reduce
         self.reduce_dtype = engine.options.grad_reduce_dtype
         n = len(engine.params)
+        self.reduced_by_ddp = bool(getattr(ddp, "reduces", False))
+        if self.reduced_by_ddp and self.reduce_dtype is not None:
+            raise ValueError(
+                f"grad_reduce_dtype={self.reduce_dtype} needs DDP's gradient buckets, which fused_zero reduces "
+                "in that dtype; this DDP module was built with torch._dynamo.config.optimize_ddp = "
+                "'python_reducer', whose python reducer all-reduces each param.grad in its own dtype itself. "
+                "Build the DDP module with optimize_ddp = 'ddp_optimizer' (the default) or False, or leave "
+                "grad_reduce_dtype out")
         self.track_used = bool(ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.static_graph = bool(getattr(ddp, "static_graph", False))
         self.used_local = np.zeros(n, dtype=bool)
         self.used_static: np.ndarray | None = None
-        self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) else float(self.world) for p in engine.params])
+        self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) or self.reduced_by_ddp else float(self.world)
+                                  for p in engine.params])
         self.one_all_reduce = self.grad_reduce == "all_reduce" or topo.shard_size == 1 or \
             collectives.all_reduce_replaces_reduce_scatter(self.group, engine.device)
         self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group, engine.device)
@@ -168,7 +179,7 @@ class Reduction:
           host wait in the hook). The other ranks' slices keep this rank's local gradients:
           ``param.grad`` is not the global gradient in this mode.
         """
-        if self.world == 1:
+        if self.world == 1 or self.reduced_by_ddp:
             return buffer, [], None
         layout, topo = shard.layout, self.topology
         travel = self.travel_dtype(buffer.dtype)
