@@ -233,8 +233,11 @@ def step_misuse(rank, world):
     ddp(x, use_branch=True).sum().backward()
     opt.step()
     out.append(raises(opt.step, RuntimeError, "no reduced gradients"))
+    # a parameter the DDP module does not reduce cannot join (tests/contract/test_add_param_group.py: those
+    # it reduces do), and the optimizer keeps its groups as they were
     out.append(raises(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}),
-                       RuntimeError, "add_param_group"))
+                       ValueError, "does not reduce"))
+    assert len(opt.param_groups) == 1
 
     out.append(raises(lambda: opt.state.__setitem__(next(iter(model.parameters())), {}), TypeError, "read-only"))
     scaler = torch.amp.GradScaler("cpu")

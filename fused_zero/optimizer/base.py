@@ -10,14 +10,11 @@ from types import MappingProxyType
 import torch
 
 from ..checkpoint import canonical, loading, serving, sharded
-from ..options import STATE_FORMATS, ShardingOptions, canonical_state_format, normalize_options
+from ..options import ShardingOptions, normalize_options
 from ..pipeline.engine import Engine
 from ..pipeline.members import MemberView
-from . import sharing
+from . import protocol, sharing
 from .sharing import check_ddp, guard_unattached, not_attached
-
-# sharding options a param group may not set (state_format it may: shard.py keeps one part per format)
-_PER_OPTIMIZER = ("master_weights", "stochastic_rounding", "seed")
 
 
 class _ShardedState(Mapping):
@@ -78,6 +75,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     # Makes torch.amp.GradScaler hand its scale and found-inf flag to step() instead of unscaling
     # param.grad itself: the kernel unscales (see pipeline/step_end/amp.py).
     _step_supports_amp_scaling = True
+    _engine: Engine | None = None  # until the engine is built (torch.optim's __init__ adds the groups before)
 
     def _start(self, ddp, algorithm, options: dict, *, capturable=False, differentiable=False):
         """``options``: the keyword-only sharding options (options.OPTIONS) (an unknown one is a
@@ -172,22 +170,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return self._engine
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_joined", False):
-            raise RuntimeError("fused_zero optimizers shard the parameters DDP reduces when attached; "
-                               "add_param_group afterwards is not supported")
-        per_optimizer = [k for k in _PER_OPTIMIZER if isinstance(param_group, dict) and k in param_group]
-        if per_optimizer:
-            raise ValueError(
-                f"param group {len(self.param_groups)} sets {', '.join(per_optimizer)}: fused_zero keeps one "
-                f"rounding for every param group; pass {', '.join(f'{k}=...' for k in per_optimizer)} to the "
-                "optimizer itself instead")
-        fmt = param_group.get("state_format", "fp32") if isinstance(param_group, dict) else "fp32"
-        if canonical_state_format(fmt) != fmt:  # the 0.x name: the group keeps today's
-            param_group["state_format"] = fmt = canonical_state_format(fmt)
-        if fmt not in STATE_FORMATS:
-            raise ValueError(f"param group {len(self.param_groups)} sets state_format={fmt!r}: choose one of "
-                             f"{', '.join(map(repr, STATE_FORMATS))}")
+        """torch.optim's, before or after ``attach``. Attached, the group's parameters (ones the DDP module
+        reduces and no fused_zero optimizer updates) join this optimizer's share of the engine, their state
+        starting as torch.optim's does, between steps, on every rank (pipeline/added_groups.py); a group
+        that cannot join raises, and the optimizer keeps its groups as they were."""
+        protocol.check_group_options(param_group, len(self.param_groups))
         super().add_param_group(param_group)
+        if self._engine is not None:  # None while being built, unattached, or waiting to be laid out
+            protocol.join_group(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -273,31 +263,17 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         checkpoint/serving.py). ``to=None``: the calling rank gets the whole dict; ``to=r``: rank r
         does, and the other ranks calling it get None once rank r has asked.
         Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication).
-        torch.optim's state_dict hooks run as torch.optim runs them (``_with_state_dict_hooks``)."""
-        return self._with_state_dict_hooks(lambda: loading.kept_state_dict(self, self._kept) if self._engine is None
-                                           else canonical.state_dict(self._view, self._peers, to))
-
-    def _with_state_dict_hooks(self, build):
-        """``build()``'s dict between torch.optim's state_dict hooks, as ``torch.optim.Optimizer.state_dict``
-        calls them: every pre-hook with the optimizer first, then every post-hook with the dict, a hook's
-        returned dict taking its place (on a rank that gets no dict, the pre-hooks only)."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        state_dict = build()
-        if state_dict is None or (isinstance(state_dict, dict) and not state_dict and self._engine is not None):
-            return state_dict  # another rank's dict (``to=``, written_by)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        torch.optim's state_dict hooks run as torch.optim runs them (protocol.py)."""
+        return protocol.through_state_dict_hooks(self, lambda: loading.kept_state_dict(self, self._kept)
+                                                 if self._engine is None
+                                                 else canonical.state_dict(self._view, self._peers, to))
 
     def _state_dict_written_by(self, writer: int) -> dict:
         """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
         alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
         ranks, once ``writer`` has been served (see canonical.written_by)."""
-        return self._with_state_dict_hooks(
-            lambda: loading.kept_state_dict(self, self._kept) if self._engine is None  # no communication
+        return protocol.through_state_dict_hooks(
+            self, lambda: loading.kept_state_dict(self, self._kept) if self._engine is None  # no communication
             else canonical.written_by(self._view, self._peers, writer))
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -307,18 +283,14 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         groups loaded, and the state kept until ``attach`` lays it out (checkpoint/loading.py).
         torch.optim's load_state_dict hooks run as torch.optim runs them: the pre-hooks on a shallow copy
         of the dict (a returned dict takes its place), the post-hooks once it is loaded."""
-        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        protocol.through_load_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict: dict) -> None:
         if self._engine is None:
             self._kept = loading.keep_until_attach(self, state_dict)
         else:
             loading.load_state_dict(self._view, state_dict)
             self._peers.published(by_step=False)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def sharded_state_dict(self) -> dict:
         """The state for torch.distributed.checkpoint: each rank's tensors hold only the elements it owns,

@@ -185,7 +185,7 @@ class Engine(Stepping):
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         if self.backend == "triton":
             compile_kernels(self)  # warmup.py
-        self._handles = []
+        self._handles, self._module_handles = [], []
         self._install()
         self.weights = WeightWatch(self.params, [m != NO_MEMBER for m in self.member_of])
 
@@ -196,7 +196,7 @@ class Engine(Stepping):
         storages = [p.data for p in self.params]
         try:
             self.registry.install_initial_layout(self.ddp.module, self.pid_of)
-            hooks.register(self, self._handles)
+            hooks.register(self, self._handles, self._module_handles)
         except BaseException:
             self.close()
             for p, data in zip(self.params, storages):
@@ -303,7 +303,7 @@ class Engine(Stepping):
         self.side.join()
 
     def close(self) -> None:
-        for h in self._handles:
+        for h in self._module_handles + self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._module_handles = [], []
 

@@ -7,7 +7,8 @@ Each optimizer at 2 gloo ranks in every overlap mode x both reductions, with two
 schedule, a branch only some ranks use on some steps (``find_unused_parameters``: parameters without a
 gradient, on one rank or on all), a non-finite loss on rank 0 at step 3 (the step skipped on every
 rank: by the GradScaler where the mode takes one, else by ``on_nonfinite="skip"``), and once with bf16
-parameters over fp32 masters; Adagrad with ``fused=True`` and with ``foreach=True``. Against DDP + torch.optim.<Name> on the same data, in the form whose step
+parameters over fp32 masters; Adagrad with ``fused=True`` and with ``foreach=True``. Against DDP +
+torch.optim.<Name> on the same data, in the form whose step
 counts live on the device as ours do: ``capturable=True`` (Adagrad, which has no capturable path:
 ``fused=True``); Adafactor against its plain form. Every parameter of every rank after every step, and
 the state dict at the end: bit for bit (bf16: the parity harness's ulp bounds); Adafactor within the

@@ -135,6 +135,22 @@ class ShardRegistry:
             self.layout_changes += 1
         return new
 
+    def rebuild(self, shards: list[BucketShard]) -> None:
+        """Each of ``shards`` built anew over the same bucket, from the parameters' members and the members'
+        state names as they are now (an optimizer's ``add_param_group``: parameters no fused_zero optimizer
+        updated join one, and their member may keep state it did not before): the parameters bound to it,
+        the state of every parameter that had some moved into it (``_move_state``: the same layout, so
+        every element keeps its place), a joined parameter's at zero (its masters: the caller's)."""
+        for old in shards:
+            old.wait_gather()
+            new = self._new_shard(old.layout)
+            new.bind_params()
+            self._move_state(new)
+            for local, pid in enumerate(old.layout.pids):
+                self.where[pid] = (new, local)
+            self.by_index = {i: new if s is old else s for i, s in self.by_index.items()}
+        self.layout_changes += 1  # the hook's cached shards are stale
+
     def _new_shard(self, layout: BucketLayout) -> BucketShard:
         dtype = self.params[layout.pids[0]].dtype
         return BucketShard(

@@ -44,22 +44,12 @@ def check_no_comm_hook(ddp) -> None:
             "register_comm_hook, or build one fused_zero optimizer per DDP")
 
 
-def register(engine, handles: list) -> None:
-    """Register every hook of ``engine``, appending the removable handles to ``handles`` as they are
-    made (so that a failure midway can remove those already there); DDP's comm hook, which cannot be
-    removed, comes last."""
+def register(engine, handles: list, module_handles: list) -> None:
+    """Register every hook of ``engine``, appending the removable handles to ``handles`` and (those that
+    know which parameters the engine updates) ``module_handles`` as they are made (so that a failure
+    midway can remove those already there); DDP's comm hook, which cannot be removed, comes last."""
     ddp = engine.ddp
-    root = ddp.module
-    gathered = {p: pid for p, pid in engine.pid_of.items() if engine.member_of[pid] >= 0}  # not NO_MEMBER's
-    for module in root.modules():
-        pids = sorted({gathered[p] for p in reach(module, root) if p in gathered})
-        if pids or module is root:
-            handles.append(forward_pre_hook(module, ForwardWait(engine, pids, module is root)))
-    # model.state_dict() reads the parameters: give it their updated values
-    handles.append(state_dict_pre_hook(root, Synchronize(engine)))
-    if engine.reduction.track_used:
-        for p, pid in gathered.items():
-            handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
+    register_module_hooks(engine, module_handles)
     if hasattr(ddp, "finalize_backward"):  # torch 2.15's manual backward finalization
         handles.append(FinalizeWatch(engine, ddp))
     state = HookState(engine)
@@ -187,6 +177,23 @@ class Synchronize:
 NOTHING = functools.partial(slice)
 """What a copied ``Synchronize`` is: it takes the hook's three arguments and changes nothing, and it
 pickles as builtins only, so that a saved copy loads where fused_zero is not installed."""
+
+
+def register_module_hooks(engine, handles: list) -> None:
+    """The hooks on the module and its parameters: each module's forward waits for the parameters it can
+    reach, ``state_dict()`` for every one, and, where DDP may skip some, which got a gradient. Registered
+    again when parameters join an optimizer (pipeline/added_groups.py)."""
+    root = engine.ddp.module
+    gathered = {p: pid for p, pid in engine.pid_of.items() if engine.member_of[pid] >= 0}  # not NO_MEMBER's
+    for module in root.modules():
+        pids = sorted({gathered[p] for p in reach(module, root) if p in gathered})
+        if pids or module is root:
+            handles.append(forward_pre_hook(module, ForwardWait(engine, pids, module is root)))
+    # model.state_dict() reads the parameters: give it their updated values
+    handles.append(state_dict_pre_hook(root, Synchronize(engine)))
+    if engine.reduction.track_used:
+        for p, pid in gathered.items():
+            handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
 
 
 def reach(module: nn.Module, root: nn.Module):

@@ -44,6 +44,12 @@ class WeightWatch:
         self.versions: list[int | None] = []
         self.look()
 
+    def own(self, pids: list[int]) -> None:
+        """Watch ``pids`` too: parameters that joined an optimizer (pipeline/added_groups.py)."""
+        for pid in pids:
+            self.owned[pid] = True
+        self.look()
+
     def look(self) -> None:
         """Take the parameters as they are now as seen (the engine's own writes, a load of the optimizer's
         state whose masters then win over weights written before it)."""

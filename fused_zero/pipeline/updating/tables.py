@@ -52,6 +52,10 @@ class CoefficientTables:
                                               e.options.seed if e.options.stochastic_rounding else None,
                                               e.scratch.under("member", member))
 
+    def forget_groups(self) -> None:
+        """A param group joined a member: its parameters' groups are uploaded again."""
+        self._groups.clear()
+
     def _device_groups(self, member: int) -> torch.Tensor:
         """Each parameter's param group in ``member``, int64 on the device (uploaded once)."""
         if member not in self._groups:

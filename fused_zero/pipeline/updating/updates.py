@@ -41,6 +41,13 @@ class Updates:
         self._whole_matrix: dict[int, WholeMatrix | WholeParams] = {}  # phased members' steps
         self.tables = CoefficientTables(engine)
 
+    def forget_members(self) -> None:
+        """Drop what was kept of the members' parameters: a param group joined one
+        (pipeline/added_groups.py)."""
+        self._pids_kept.clear()
+        self._whole_matrix.clear()  # Muon's owners, from the member's matrices
+        self.tables.forget_groups()
+
     def _whole(self, member) -> WholeMatrix | WholeParams:
         """The phased member's runner: Muon's matrices on their owners, or Adafactor's whole parameters on
         every rank (``algo.phased`` says which)."""
