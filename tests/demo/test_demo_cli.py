@@ -78,8 +78,9 @@ def train_with_a_corrupted_parameter(rank, world, cfg, value):
         calls.append(1)
         if len(calls) == 2 and rank == 1:
             self.synchronize()
-            with torch.no_grad():
-                self.param_groups[0]["params"][0].view(-1)[0] = value
+            with torch.no_grad():  # through .data, as the engine's own buffers are written: a write through
+                # the parameter on one rank is the user's, refused on every rank (pipeline/reducing/weight_watch.py)
+                self.param_groups[0]["params"][0].data.view(-1)[0] = value
         return out
 
     fused_zero.AdamW.step = step
