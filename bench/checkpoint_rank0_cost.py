@@ -1,4 +1,4 @@
-"""What a rank-0-only ``optimizer.state_dict()`` costs (fused_zero/checkpoint/serving.py), and what it
+"""What a rank-0-only ``optimizer.state_dict()`` costs (fused_zero/checkpoint/serving/peers.py), and what it
 costs the c10d store per training iteration when nobody checkpoints: nothing, is the claim.
 
 Run: ``python bench/checkpoint_rank0_cost.py [--worlds 2 4] [--iters 40] [--hidden 512]``. On gloo
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.checkpoint.server import server_for
+from fused_zero.checkpoint.serving.server import server_for
 from fused_zero.demo.spawn import run_ranks
 
 

@@ -45,7 +45,7 @@ over the step's collectives (each waits for its own steps). Figures:
 
 **Store requests**: the c10d store requests of one training iteration, all ranks together: 0 for DDP and
 for fused_zero (every per-iteration protocol runs in collectives; a rank-0-only ``state_dict()`` is
-served from threads, checkpoint/serving.py). Listed apart, what one rank-0-only ``state_dict()`` costs:
+served from threads, checkpoint/serving/peers.py). Listed apart, what one rank-0-only ``state_dict()`` costs:
 ``STORE_PER_PEER`` requests for each rank it asks, which are the other ranks of its shard group only
 (every shard group holds the whole state), as bench/checkpoint_rank0_cost.py measures it.
 """

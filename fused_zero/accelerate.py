@@ -97,7 +97,7 @@ def _save_from_the_writing_ranks(accelerator, opt: _ShardedOptimizer) -> None:
     (``to=None``) with ``save_on_each_node``; the other ranks' optimizer state is ``{}``. ``load_state``
     reads the written file on every rank, as before.
 
-    Each writing rank is served by the others' threads (checkpoint/serving.py): no rank may leave, and
+    Each writing rank is served by the others' threads (checkpoint/serving/peers.py): no rank may leave, and
     perhaps exit, while a writer still needs its shards. So ``save_state`` ends with
     ``wait_for_everyone()``."""
     save, whole = accelerator.save_state, opt.state_dict

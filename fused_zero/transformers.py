@@ -23,7 +23,7 @@ does with torch's AdamW:
   (the Trainer's defaults), else "bucket"; an explicit "bucket" with a clip is refused, before training.
 - ``save_steps`` / ``resume_from_checkpoint``: the Trainer saves ``optimizer.state_dict()`` from rank 0
   alone, while the other ranks go on (into the next step's token-count gather); the other ranks serve
-  their shards from a thread (checkpoint/serving.py). The resumed run continues bit for bit.
+  their shards from a thread (checkpoint/serving/peers.py). The resumed run continues bit for bit.
 - ``fp16``: the Trainer's GradScaler (Accelerate's) is handed to the optimizer; overflow steps are
   skipped on every rank and the scheduler does not advance. ``bf16``, gradient accumulation and the
   learning-rate schedulers need nothing.

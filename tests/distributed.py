@@ -129,7 +129,7 @@ def _worker(rank: int, world: int, tasks, results) -> None:
 
 def _stop_checkpoint_servers() -> None:
     """The call's checkpoint servers (their threads wait on its process group's store), stopped as at exit."""
-    from fused_zero.checkpoint import server
+    from fused_zero.checkpoint.serving import server
 
     server.stop_all()
 

@@ -342,6 +342,26 @@ def test_an_upward_import_is_named(module, source, expected):
     assert found and expected in found[0], found
 
 
+def serving_violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Each import of checkpoint/serving/ by a module of checkpoint/ outside it: the state's forms (the
+    room above) never depend on the rank-0 serving protocol (the room below), which reads them."""
+    if not module.startswith("fused_zero.checkpoint") or module.startswith("fused_zero.checkpoint.serving"):
+        return []
+    return [f"{module} imports {target}: checkpoint/'s forms never import its serving room"
+            for target in imports(module, source, is_package) if target.startswith("fused_zero.checkpoint.serving")]
+
+
+@pytest.mark.parametrize("module,path", [(m, p) for m, p in modules() if m.startswith("fused_zero.checkpoint")],
+                         ids=[m for m, _ in modules() if m.startswith("fused_zero.checkpoint")])
+def test_the_checkpoint_forms_never_import_the_serving_room(module, path):
+    assert serving_violations(module, path.read_text(), path.name == "__init__.py") == []
+
+
+def test_a_form_importing_the_serving_room_is_named():
+    found = serving_violations("fused_zero.checkpoint.canonical", "from .serving.published import Published\n")
+    assert found and "never import its serving room" in found[0], found
+
+
 ENGINE_FACES = 8
 """The most attributes a module outside pipeline/ reads of the engine or of a member's view of it."""
 ENGINE_NAMES = ("engine", "_engine", "e", "view", "_view", "target")

@@ -1,5 +1,5 @@
-"""Optimizer state in and out: torch.optim's canonical dict (canonical.py: built; loading.py: loaded,
-before or after attach), the sharded form for torch.distributed.checkpoint (sharded.py), the checks a
-dict passes before a load mutates anything (checks.py), and what lets any rank call ``state_dict()``
-alone while the others do whatever they do between steps (serving.py, with server.py, inbox.py and
-channel.py)."""
+"""Optimizer state in and out, in the forms it takes: torch.optim's canonical dict (canonical.py: built;
+loading.py: loaded, before or after attach), the sharded form for torch.distributed.checkpoint
+(sharded.py, its chunks in chunks.py), and the checks a dict passes before a load mutates anything
+(checks.py). How a rank's state reaches a rank that calls ``state_dict()`` alone is the room below,
+serving/ (the rank-0 serving protocol: threads, a gloo group and store mailboxes of its own)."""

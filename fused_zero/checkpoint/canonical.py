@@ -19,7 +19,7 @@ own order (``i``) and its state names in each shard.
 
 The dict is assembled on the calling rank, one slice at a time (``StateDictBuilder``): its own slices and
 the replicated tail from its regions, every other rank's slices as that rank's server sends them
-(serving.py). The layout module says where each element lives; this module only walks its pieces. With
+(serving/peers.py). The layout module says where each element lives; this module only walks its pieces. With
 shard groups (pipeline/buckets/topology.py) every shard group holds the whole state: a dict is built from the
 requester's own shard group, and a load fills each rank's region from the dict with no collective,
 whatever the sharding it was saved at.
@@ -94,7 +94,7 @@ def packed_groups(opt, index: dict[int, int]) -> list[dict]:
 
 def state_dict(engine, peers, to: int | None = None) -> dict | None:
     """The canonical dict on CPU, on any calling rank (``to=None``) or on rank ``to`` only (the others
-    get None); the other ranks serve their slices whatever they do meanwhile (serving.py)."""
+    get None); the other ranks serve their slices whatever they do meanwhile (serving/peers.py)."""
     if to is not None and not (isinstance(to, int) and 0 <= to < engine.ranks.world):
         raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.ranks.world - 1})")
     return peers.state_dict(to, lambda: StateDictBuilder(engine))

@@ -9,7 +9,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..checkpoint import canonical, loading, serving, sharded
+from ..checkpoint import canonical, loading, sharded
+from ..checkpoint.serving import peers
 from ..options import ShardingOptions, normalize_options
 from ..pipeline.engine import Engine
 from ..pipeline.members import MemberView
@@ -145,7 +146,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if plan is not None:
             loading.apply_at_attach(self._view, plan)
         self._kept = None
-        self._peers = serving.peers_for(self._view)
+        self._peers = peers.peers_for(self._view)
         self.state = _ShardedState(self._view)
         for handle in getattr(self, "_unattached_hooks", ()):
             handle.remove()
@@ -260,7 +261,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         parameters, ``fp32_master``; on CPU), which ``torch.optim`` loads as it is, as it is after the
         last step. Call it between steps on any rank or ranks, e.g. on rank 0 alone as nanoGPT and the
         Trainer do: the other ranks serve their shards from a thread, whatever they do meanwhile (see
-        checkpoint/serving.py). ``to=None``: the calling rank gets the whole dict; ``to=r``: rank r
+        serving/peers.py). ``to=None``: the calling rank gets the whole dict; ``to=r``: rank r
         does, and the other ranks calling it get None once rank r has asked.
         Unattached: what was loaded, or torch.optim's dict of a fresh optimizer (no communication).
         torch.optim's state_dict hooks run as torch.optim runs them (protocol.py)."""

@@ -1,5 +1,5 @@
 """A rank-0-only ``state_dict()`` while the other ranks' hosts run ahead, as they do under NCCL
-(checkpoint/versions.py): nothing blocks their host in the next iteration, so each of them finishes
+(checkpoint/serving/published.py): nothing blocks their host in the next iteration, so each of them finishes
 ``step()`` N+1 on the host and publishes version N+1 while its device still holds version N (its N+1
 updates queued behind a reduction rank 0 has not joined), and its shards may hold new state tensors on
 the host by then (a reshard after DDP's bucket rebuild, the arenas' packing) that the device has not

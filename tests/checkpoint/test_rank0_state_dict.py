@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.checkpoint import channel, serving
-from fused_zero.checkpoint.server import server_for
+from fused_zero.checkpoint.serving import channel, peers
+from fused_zero.checkpoint.serving.server import server_for
 
 
 def _iteration(case, d, rank, it):
@@ -202,7 +202,7 @@ def between_steps(rank, world):
     return out
 
 
-def _error_of(fn, exc=serving.CheckpointSyncError) -> tuple[str, float]:
+def _error_of(fn, exc=peers.CheckpointSyncError) -> tuple[str, float]:
     t = time.monotonic()
     try:
         fn()
@@ -259,13 +259,13 @@ def misuses(rank, world):
     # a requester ahead at attach: rank 0 asks for a new optimizer's state as soon as it is built, while
     # rank 1 registers it 0.5 s later (its attach is slower); rank 1 serves it once it has
     second = DDP(nn.Linear(8, 4))
-    peers_for = serving.peers_for
+    peers_for = peers.peers_for
     if rank == 1:
-        serving.peers_for = lambda engine: (time.sleep(0.5), peers_for(engine))[1]
+        peers.peers_for = lambda engine: (time.sleep(0.5), peers_for(engine))[1]
     try:
         opt2 = fused_zero.AdamW(second.parameters(), lr=1e-3, ddp=second)
     finally:
-        serving.peers_for = peers_for
+        peers.peers_for = peers_for
     if rank == 0:
         out["ahead_at_attach"] = opt2.state_dict()["param_groups"][0]["params"]
     dist.barrier()
@@ -370,9 +370,9 @@ def test_rank0_asks_its_shard_group_peers_only_at_the_scale_models_store_cost():
     from scale_model import STORE_PER_PEER
 
     outs = run_ranks(requester_destinations, 4, [2, None])
-    for k, (shard, peers) in enumerate(((2, [1]), (None, [1, 2, 3]))):
+    for k, (shard, ranks) in enumerate(((2, [1]), (None, [1, 2, 3]))):
         mine = outs[0][k]
-        assert mine["shard"] == shard and mine["group"] == [0] + peers, mine
-        assert sorted(mine["posted"]) == sorted((r, kind) for r in peers for kind in ("announce", "serve")), mine
+        assert mine["shard"] == shard and mine["group"] == [0] + ranks, mine
+        assert sorted(mine["posted"]) == sorted((r, kind) for r in ranks for kind in ("announce", "serve")), mine
         total = sum(out[k]["store_requests"] for out in outs)
-        assert total == STORE_PER_PEER * len(peers), (shard, [out[k]["store_requests"] for out in outs])
+        assert total == STORE_PER_PEER * len(ranks), (shard, [out[k]["store_requests"] for out in outs])

@@ -51,7 +51,7 @@ def save_runs(rank, world, path):
         train(case, ddp, opt, rank, 6)
         dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}/{case.name()}")
         out[case.name()] = (final, copy.deepcopy(model.state_dict()), opt.state_dict())
-        dist.barrier()  # every rank's optimizer alive until every rank has been served (serving.py)
+        dist.barrier()  # every rank's optimizer alive until every rank has been served (serving/peers.py)
         opt._engine.close()
     return out
 
@@ -101,7 +101,7 @@ def _one_matrix(rank, steps, start=1, sd=None, weights=None):
         opt.step()
         opt.zero_grad()
     out = (_params(model), copy.deepcopy(model.state_dict()), opt.state_dict(), opt._engine.layout_changes)
-    dist.barrier()  # every rank's optimizer alive until every rank has been served (serving.py)
+    dist.barrier()  # every rank's optimizer alive until every rank has been served (serving/peers.py)
     opt._engine.close()
     return out
 

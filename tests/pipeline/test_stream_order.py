@@ -50,7 +50,7 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.checkpoint import serving
+from fused_zero.checkpoint.serving import peers as serving
 from fused_zero.pipeline import engine as engine_module
 from fused_zero.pipeline.comm import collectives
 from fused_zero.pipeline.comm import streams as streams_module
@@ -412,7 +412,7 @@ def check_across_reverted(rank, world):
 
 
 class RunAhead:
-    """The host run-ahead of NCCL played under the checker (checkpoint/versions.py): on every rank but 0,
+    """The host run-ahead of NCCL played under the checker (checkpoint/serving/published.py): on every rank but 0,
     once step 3 (the one rank 0 checkpoints after) has published, the host publishes once more, as its
     step 4 would on NCCL while its device still holds step 3: with step 4's event, which cannot complete
     before rank 0 is served (it follows updates that wait for a reduction rank 0 has not joined). Either

@@ -1,4 +1,4 @@
-"""The checker's pageable-host-memory rule in the checkpoint server's thread (checkpoint/serving.py: a
+"""The checker's pageable-host-memory rule in the checkpoint server's thread (checkpoint/serving/peers.py: a
 thread of its own, its own stream; modeled here the same way). A blocking copy from the device into
 pageable memory is one CUDA makes (the server's reads, each waited for by its thread), so it is not
 reported; a non-blocking one into pageable memory is (CUDA makes it synchronous, or the buffer is read

@@ -113,7 +113,7 @@ class Part:
     def hold(self, name: str, x: torch.Tensor) -> None:
         """Keep this part's slots of region-shaped fp32 ``x`` as ``name`` in fp32, unencoded, until
         ``encode_held``: the kernels take the moments' format from their dtype, so the part updates in
-        fp32 meanwhile. New dicts: a version published before keeps what it was (checkpoint/versions.py)."""
+        fp32 meanwhile. New dicts: a version published before keeps what it was (checkpoint/serving/published.py)."""
         self.state = {**self.state, name: self._mine(x).clone()}
         self.scales = {k: v for k, v in self.scales.items() if k != name}
 
@@ -379,7 +379,7 @@ class BucketShard:
     def frozen(self) -> BucketShard:
         """A copy whose ``values`` read this shard's state tensors as they are now, whatever the shard
         holds later (``relocate`` gives its parts new tensors): what a version published now is served
-        from (checkpoint/versions.py). It keeps those tensors alive; it shares the layout and
+        from (checkpoint/serving/published.py). It keeps those tensors alive; it shares the layout and
         parameters, and is never updated."""
         out = copy.copy(self)
         out.parts = [copy.copy(part) for part in self.parts]

@@ -11,7 +11,7 @@ forward and backward and DDP's own work included, runs on the compute stream (or
 the host). The operations still compute for real (gloo, torch's CPU ops), so training goes on as usual
 while the ordering is recorded (clocks.py).
 
-The checkpoint server's thread (checkpoint/serving.py) is modeled too: whatever it queues inside the
+The checkpoint server's thread (checkpoint/serving/peers.py) is modeled too: whatever it queues inside the
 stand-ins' ``use(stream)`` runs on its own stream (``copy_stream``), seen through a dispatch mode of that
 thread; a host synchronization of the training thread does not order that stream (only the events it
 waits for do), and its own blocking copies are not the step path's synchronizations. A Work's ``wait()``
@@ -19,7 +19,7 @@ orders the waiting stream only, never the host (gloo's real wait is only for the
 wait returned, every rank of the group has joined the collective, so the waiter also follows what this
 rank's server had finished serving by then (a requester joins its next collective only once served).
 ``pending_event`` stands for an event recorded after work that cannot run before a request is answered
-(behind a collective the requester has not joined: a host that ran ahead, see checkpoint/versions.py):
+(behind a collective the requester has not joined: a host that ran ahead, see checkpoint/serving/published.py):
 waiting for it is reported as a deadlock.
 
 What it cannot see: ordering that only timing gives (it assumes none), and DDP's C++ waits other than

@@ -13,7 +13,7 @@ as ``attach`` already is. It is created with gloo's lazy connections (``TORCH_GL
 attaching costs no connection setup and a pair of ranks connects (through the store, once) when a
 checkpoint first makes them talk: the cost is paid when checkpoints are taken, never per iteration.
 
-Every wait has a deadline. The protocol (serving.py) is built so that a healthy peer always answers
+Every wait has a deadline. The protocol (peers.py) is built so that a healthy peer always answers
 within it, refusals included; a deadline that expires means the peer's process is gone or stuck.
 
 Only requesters receive here, and only while they are in ``state_dict()``; servers only send, while

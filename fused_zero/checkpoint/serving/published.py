@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .canonical import layout_fingerprint, sharded_slices
+from ..canonical import layout_fingerprint, sharded_slices
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The two checkpoint threads of one DDP process group in this process (their protocol: serving.py).
+"""The two checkpoint threads of one DDP process group in this process (their protocol: peers.py).
 
 - The **listener** takes this rank's mailbox messages (inbox.py), in order: "rank r is in
   ``state_dict()`` for optimizer n at version v (request k)", "rank r asks this rank for its slices"
@@ -6,7 +6,7 @@
   the other ranks' acknowledgements. Announcements are recorded at once, so a rank in
   ``state_dict(to=r)`` learns that r asked however busy the server is.
 - The **server** sends what is asked for, one request at a time: a refusal, or this rank's slices
-  over the gloo channel (channel.py, serving.py), and records each request's outcome (what
+  over the gloo channel (channel.py, peers.py), and records each request's outcome (what
   ``state_dict(to=r)`` on this rank waits for).
 
 Idle, the listener is blocked in one store ``wait`` and the server on a Python condition: no store

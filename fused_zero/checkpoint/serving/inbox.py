@@ -1,5 +1,5 @@
 """Each rank's checkpoint mailbox, in the process group's c10d store: how a rank learns that another
-wants its shards (serving.py), without a single store request while nobody checkpoints.
+wants its shards (peers.py), without a single store request while nobody checkpoints.
 
 A message to rank s takes a slot number from s's counter (``add``) and is written under it (``set``);
 s's listener thread takes its messages in slot order (``wait``, ``get``, ``delete_key``): five store

@@ -53,8 +53,8 @@ import torch
 
 from . import channel
 from .channel import Channel, ChannelError, request_tag
+from .published import Published, Versions
 from .server import ShardServer, server_for
-from .versions import Published, Versions
 
 WINDOW = 8
 """Messages in flight per peer while slices are sent and received."""
@@ -83,7 +83,7 @@ class CheckpointPeers:
     def __init__(self, engine, server: ShardServer | None):
         self.engine = engine
         self.server = server
-        self.versions = Versions()  # what serving each recent version needs (versions.py)
+        self.versions = Versions()  # what serving each recent version needs (published.py)
         self.number = server.register(self) if server is not None else None
         self._stream = None  # CUDA: the server's own stream, made when first needed
         self.published(by_step=False)  # version 0: the state as attach laid it out
@@ -216,7 +216,7 @@ class CheckpointPeers:
     def ready_for(self, version: int, fingerprint: int) -> tuple[str, Published | None]:
         """Why this rank cannot serve ``version`` ("" once it can) and the version's record, waiting up
         to JOIN_DEADLINE_S for its training thread to publish it. A version this rank's host has gone
-        past is served from its record (versions.py: the host runs ahead of the device)."""
+        past is served from its record (published.py: the host runs ahead of the device)."""
         deadline = time.monotonic() + channel.JOIN_DEADLINE_S
         versions = self.versions
         with versions.cond:
