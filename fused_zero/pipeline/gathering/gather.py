@@ -5,12 +5,12 @@ flat parameter buffer the bucket's parameters are views of, in place (this rank'
 after the bucket's update, on the side stream, in bucket order on every rank (updating/updates.py: the
 gathers pair up by issue order), on the gathers' communicator (buckets/topology.py,
 ``post_update_groups``). ``finish`` makes its caller wait for the gather, wherever the parameters are
-read or rewritten next (docs/design-streams.md numbers these edges): the next update of the bucket
-(7), ``step()`` with param_sync="step" and ``synchronize()`` (11, 15), a forward pre-hook (12), a
-reshard or a rebuild of the shard (13, 14), and, inside a CUDA graph's capture, the side stream before
-the capture ends (a capture must join every stream it forks: step_end/step_graph.py). With NCCL the
-wait is a stream wait, with gloo a host wait. At most one gather of a bucket is pending: a new start
-finishes the previous one first.
+read or rewritten next (docs/design-streams.md numbers these edges): the next update of the bucket (7),
+``step()`` with param_sync="step" (11), a forward pre-hook (12), the arenas' packing (14),
+``synchronize()`` (15), a reshard or a rebuild of the shard (buckets/registry.py), and, inside a CUDA
+graph's capture, the side stream before the capture ends (a capture must join every stream it forks:
+step_end/step_graph.py). With NCCL the wait is a stream wait, with gloo a host wait. At most one gather
+of a bucket is pending: a new start finishes the previous one first.
 """
 
 from __future__ import annotations
