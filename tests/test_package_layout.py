@@ -17,10 +17,11 @@ kernels/ is parsed, its imports resolved, and each import checked against what i
 So the pipeline never imports checkpoints, integrations or the demo, nothing imports the demo, and
 only the integrations import their frameworks. No two modules import each other, however far round:
 the imports of the package's modules make no circle (imports under ``if TYPE_CHECKING:`` and inside
-functions count too). Also held here: no module over 400 lines, no class over 250.
+functions count too). Also held here: no module over 400 lines, no class over 250, and no module outside
+pipeline/comm/ calls a torch.distributed collective (COLLECTIVES_ELSEWHERE names the exceptions and why).
 
-Inside pipeline/ the same holds between its rooms (sub-packages), from the bottom up: comm, buckets,
-reducing, updating, step_end, then the modules directly in pipeline/ (the engine and what sits beside
+Inside pipeline/ the same holds between its rooms (sub-packages), from the bottom up: comm, gathering,
+buckets, reducing, updating, step_end, then the modules directly in pipeline/ (the engine and what sits beside
 it, at most 8). A room imports only the rooms below it, never one above, nor the engine's modules.
 """
 
@@ -258,8 +259,153 @@ def test_every_package_is_installed():
         f"listed without a folder: {sorted(set(config['packages']) - found)}")
 
 
+COMM = "fused_zero.pipeline.comm"
+COLLECTIVE_PREFIXES = ("all_reduce", "all_gather", "all_to_all", "broadcast", "reduce", "scatter", "gather",
+                       "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                       "_all_gather", "_reduce_scatter")
+"""torch.distributed's collectives (and point-to-point calls) by their names' beginnings: every variant of
+them (``reduce_scatter_tensor``, ``all_gather_single``, ``broadcast_object_list``, ``send_object_list``)."""
+GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+                 "allgather_into_tensor_coalesced", "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base",
+                 "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "gather", "scatter", "send", "recv",
+                 "recv_anysource", "barrier")
+"""The same, as methods of a ProcessGroup (``group.send([t], peer, tag)``), called on a name ending in
+``group`` or ``pg``."""
+COLLECTIVES_ELSEWHERE = {
+    "fused_zero.checkpoint.channel": "the checkpoint server's point-to-point messages, on a gloo group of "
+                                     "its own, from its own thread, each with a deadline (a protocol beside "
+                                     "the training's collectives: docs/design-checkpoints.md)",
+    "fused_zero.demo.run": "the demo's training loop: its all-reduce of the logged losses is the user's own",
+    "fused_zero.demo.spawn": "the demo's launcher: the barrier before tearing its process group down is the "
+                             "user's own",
+}
+"""The modules outside pipeline/comm/ that may call a torch.distributed collective, and why."""
+
+
+def _distributed_aliases(tree: ast.AST) -> dict[str, str]:
+    """Each name bound to torch, torch.distributed or something of it, by any import of the module."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    out[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return out
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """What a name or an attribute chain refers to, through the module's imports (None: not torch's)."""
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        return f"{base}.{node.attr}" if base is not None else None
+    return None
+
+
+def _names_a_collective(dotted: str | None) -> bool:
+    return dotted is not None and dotted.startswith("torch.distributed.") and \
+        dotted.rpartition(".")[2].startswith(COLLECTIVE_PREFIXES)
+
+
+def collective_uses(source: str) -> list[str]:
+    """``line: what`` for each torch.distributed collective the source names (called or not, by attribute,
+    by an imported name or by ``getattr``) and each collective method called on a process group."""
+    tree = ast.parse(source)
+    return _uses(tree, _distributed_aliases(tree))
+
+
+def _uses(root: ast.AST, aliases: dict[str, str]) -> list[str]:
+    out = []
+    for node in ast.walk(root):
+        if isinstance(node, (ast.Name, ast.Attribute)) and _names_a_collective(_dotted(node, aliases)):
+            out.append(f"{node.lineno}: {_dotted(node, aliases)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and \
+                len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and \
+                _names_a_collective(f"{_dotted(node.args[0], aliases)}.{node.args[1].value}"):
+            out.append(f"{node.lineno}: getattr({_dotted(node.args[0], aliases)}, {node.args[1].value!r})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in GROUP_METHODS:
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name.endswith(("group", "pg")):
+                out.append(f"{node.lineno}: {name}.{node.func.attr} (a process group's method)")
+    return out
+
+
+def test_every_collective_goes_through_comm():
+    """No module outside pipeline/comm/ calls a torch.distributed collective: each goes through
+    comm/collectives.py, where the stream-order checker stands in for it and knows what it reads and
+    writes. The exceptions (COLLECTIVES_ELSEWHERE) are named, and each still uses one."""
+    found = {module: collective_uses(path.read_text()) for module, path in modules()
+             if not module.startswith(COMM)}
+    outside = {m: uses for m, uses in found.items() if uses and m not in COLLECTIVES_ELSEWHERE}
+    assert not outside, f"torch.distributed collectives called outside pipeline/comm/: {outside}"
+    stale = [m for m in COLLECTIVES_ELSEWHERE if not found.get(m)]
+    assert not stale, f"named as exceptions but calling no collective: {stale}"
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("import torch.distributed as dist\ndist.all_reduce(t, op=dist.ReduceOp.MAX)\n", "torch.distributed.all_reduce"),
+    ("import torch\ntorch.distributed.barrier()\n", "torch.distributed.barrier"),
+    ("from torch.distributed import broadcast_object_list as b\nb(x)\n", "broadcast_object_list"),
+    ("import torch.distributed.distributed_c10d as c10d\nc10d.all_gather_into_tensor(o, i)\n",
+     "distributed_c10d.all_gather_into_tensor"),
+    ("import torch.distributed as dist\nf = getattr(dist, 'reduce_scatter_single', None)\n",
+     "reduce_scatter_single"),
+    ("def f(self, t):\n    return self.group.send([t], 1, 0)\n", "group.send"),
+])
+def test_a_collective_outside_comm_is_named(source, expected):
+    """The check itself can fail: each of these names a collective; a ReduceOp, a world size or torch's own
+    ``gather`` do not."""
+    found = collective_uses(source)
+    assert len(found) == 1 and expected in found[0], found
+    assert collective_uses("import torch\nimport torch.distributed as dist\n"
+                           "x = dist.ReduceOp.MAX, dist.get_world_size(g), torch.gather(t, 0, i)\n") == []
+
+
+def declared_collectives(source: str) -> tuple[set[str], set[str]]:
+    """``(issuing, declared)`` of comm/collectives.py: its public functions that issue a torch.distributed
+    collective (themselves, through a module-level alias of one, or through another function of the
+    module), and those that declare their facts (``@_declare``)."""
+    tree = ast.parse(source)
+    aliases = _distributed_aliases(tree)
+    issuing = {t.id for node in tree.body if isinstance(node, ast.Assign) and _uses(node, aliases)
+               for t in node.targets if isinstance(t, ast.Name)}
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    while True:
+        more = {name for name, fn in functions.items() if name not in issuing and (_uses(fn, aliases) or any(
+            isinstance(n, ast.Name) and n.id in issuing for n in ast.walk(fn)))}
+        if not more:
+            break
+        issuing |= more
+    declared = {name for name, fn in functions.items() for d in fn.decorator_list
+                if isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "_declare"}
+    return {name for name in issuing if name in functions and not name.startswith("_")}, declared
+
+
+def test_every_collective_declares_its_facts():
+    """Each wrapper of comm/collectives.py that issues a collective declares what it reads and writes
+    (collectives.FACTS): the stream-order checker models exactly those; an undeclared one would run
+    unseen."""
+    issuing, declared = declared_collectives((ROOT / "fused_zero/pipeline/comm/collectives.py").read_text())
+    assert issuing == declared, f"undeclared: {sorted(issuing - declared)}; issuing none: {sorted(declared - issuing)}"
+
+
+def test_an_undeclared_collective_is_named():
+    source = ("import torch.distributed as dist\n_rs = getattr(dist, 'reduce_scatter_single')\n"
+              "@_declare(reads=(0,), writes=(0,))\ndef all_reduce(t, g):\n    return dist.all_reduce(t, group=g)\n"
+              "def reduce_scatter(o, i, g):\n    return _rs(o, i, group=g)\n"
+              "def _helper(t, g):\n    return dist.broadcast(t, 0, group=g)\n"
+              "def broadcast(t, g):\n    return _helper(t, g)\n"
+              "def backend_of(g, device):\n    return dist.get_backend_config(g)\n")
+    assert declared_collectives(source) == ({"all_reduce", "reduce_scatter", "broadcast"}, {"all_reduce"})
+
+
 PIPELINE = ROOT / "fused_zero" / "pipeline"
-PIPELINE_ROOMS = ("comm", "buckets", "reducing", "updating", "step_end")
+PIPELINE_ROOMS = ("comm", "gathering", "buckets", "reducing", "updating", "step_end")
 """pipeline/'s rooms from the bottom up; the modules directly in pipeline/ (the engine's) stand above them."""
 PIPELINE_TOP_MODULES = 8
 
@@ -329,7 +475,8 @@ def test_rooms_import_only_below(module, path):
 
 
 @pytest.mark.parametrize("module,source,expected", [
-    ("fused_zero.pipeline.buckets.shard", "from ..updating.packed_gather import PackedGather\n", "(buckets)"),
+    ("fused_zero.pipeline.buckets.shard", "from ..updating.launches import Unit\n", "(buckets)"),
+    ("fused_zero.pipeline.gathering.gather", "from ..buckets.shard import BucketShard\n", "(gathering)"),
     ("fused_zero.pipeline.comm.collectives", "from ..buckets import layout\n", "(comm)"),
     ("fused_zero.pipeline.updating.launches", "def f():\n    from ..step_end.step_graph import StepGraph\n",
      "(updating)"),

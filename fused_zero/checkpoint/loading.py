@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..options import ShardingOptions, member_params
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.buckets.topology import world_and_rank
+from ..pipeline.comm import collectives
 from ..pipeline.members import Ranks
 from . import checks
 from .canonical import packed_groups, param_index
@@ -123,7 +124,7 @@ def check_at_attach(opt, ddp, options: dict, kept: dict | None):
     if world > 1:
         flags = torch.tensor([kept is not None, kept is None, error is not None], dtype=torch.int32,
                              device=params[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(flags, group, async_op=False, op=dist.ReduceOp.MAX)
         some_kept, some_not, refused = (bool(f) for f in flags.tolist())
         if some_kept and some_not and error is None:
             error = ("some ranks loaded an optimizer state before attach and others did not: load it on "

@@ -185,7 +185,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         """This optimizer's step: with overlap="step" its update of every bucket runs now, from its
         gradients as they are (the other modes ran it during the backward); it skips on its own
         gradients' overflow. With param_sync="step" it returns once its parameters hold their new values
-        on every rank (pipeline/step_end/stepping.py; a bucket shared with another optimizer: packed_gather.py)."""
+        on every rank (pipeline/step_end/stepping.py; a bucket shared with another optimizer:
+        pipeline/gathering/packed.py)."""
         engine = self._attached_engine("step()")
         loss = None
         if closure is not None:

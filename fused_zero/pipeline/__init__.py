@@ -1,6 +1,7 @@
 """One iteration's pipeline: DDP's comm hook starts each bucket's reduction, the fused update runs on
 this rank's region, the all-gather brings the updated slices back, and ``step()`` ends the iteration.
-engine.py drives it, over its rooms from the bottom up: comm/ (collectives, streams), buckets/ (the
-layout every stage stands on), reducing/ (the comm hook's reduction), updating/ (the update and its
-gather), step_end/ (what ``step()`` ends); a room imports only the rooms below it. members.py and
-local.py sit beside the engine. Nothing here knows about checkpoints, frameworks or the demo."""
+engine.py drives it, over its rooms from the bottom up: comm/ (collectives, streams), gathering/ (the
+all-gather, started after an update and finished where the parameters are read next), buckets/ (the
+layout every stage stands on), reducing/ (the comm hook's reduction), updating/ (the update, which
+starts the gather), step_end/ (what ``step()`` ends); a room imports only the rooms below it.
+members.py and local.py sit beside the engine. Nothing here knows about checkpoints, frameworks or the demo."""

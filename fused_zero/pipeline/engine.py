@@ -7,10 +7,10 @@ overlap mode says so, waits for it, runs the fused update on this rank's region 
 all-gather of the updated slices into the flat parameter buffer. ``step()`` ends the iteration; the
 all-gathers are waited for there or by the forward pre-hooks.
 
-The stages live beside it: the reduction (reduction.py), the update and the all-gather (updates.py),
-and what ``step()`` does with a user's edits of ``.grad`` and a GradScaler (step_policy.py); so do
-which shard holds which parameter and resharding (registry.py), the side stream (streams.py) and the
-hooks (hooks.py). The options and their checks are the public ones (fused_zero/options.py).
+The stages live beside it: the reduction (reduction.py), the update (updates.py), the all-gather
+(gathering/gather.py), and what ``step()`` does with a user's edits of ``.grad`` and a GradScaler
+(step_policy.py); so do which shard holds which parameter and resharding (registry.py), the side stream
+(streams.py) and the hooks (hooks.py). The options and their checks are the public ones (fused_zero/options.py).
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ class Engine(Stepping):
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""
         for shard in self.shards():
-            shard.wait_gather()
+            shard.gather.finish()
         self.side.join()
 
     def close(self) -> None:

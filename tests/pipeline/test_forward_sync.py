@@ -79,7 +79,7 @@ def train_without_synchronize(rank, world, overlap, steps):
                 losses.append(float(loss.detach()))
             if losses[0] != losses[1]:
                 mismatches.append((step, *losses))
-        pending = sum(s.gather is not None for s in opt._engine.shards())
+        pending = sum(s.gather.pending is not None for s in opt._engine.shards())
         opt.synchronize()
     worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref_model.parameters()))
     return {"mismatches": mismatches, "worst": worst, "pending_before_sync": pending,

@@ -3,4 +3,5 @@ rank's shard of a bucket and its state parts (shard.py), the arenas of one launc
 memory-order views (strides.py), which shard holds what and resharding (registry.py), DDP's one bucket
 rebuild (rebuild.py) and which ranks shard together (topology.py).
 
-May import comm/ only; not reducing/, updating/, step_end/ nor the engine's modules above them."""
+May import comm/ and gathering/ (each shard's gather, which a reshard finishes first); not reducing/,
+updating/, step_end/ nor the engine's modules above them."""

@@ -123,7 +123,7 @@ class ShardRegistry:
             layout = BucketLayout.build(pids, [self.params[i].numel() for i in pids], offsets,
                                         self.world, self.rank)
             for old in {id(self.where[pid][0]): self.where[pid][0] for pid in pids}.values():
-                old.wait_gather()
+                old.gather.finish()
             new = self._new_shard(layout)
             new.bind_params()
             self._move_state(new)
@@ -142,7 +142,7 @@ class ShardRegistry:
         the state of every parameter that had some moved into it (``_move_state``: the same layout, so
         every element keeps its place), a joined parameter's at zero (its masters: the caller's)."""
         for old in shards:
-            old.wait_gather()
+            old.gather.finish()
             new = self._new_shard(old.layout)
             new.bind_params()
             self._move_state(new)

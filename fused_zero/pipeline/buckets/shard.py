@@ -1,6 +1,6 @@
 """One DDP bucket as this rank holds it: the flat parameter buffer the bucket's parameters are views
-of, this rank's region of optimizer state, the kernel rows, and the handle of the all-gather that
-brings the updated parameters back. The gradient is not ours: the reduction runs in place in DDP's
+of, this rank's region of optimizer state, the kernel rows, and its all-gather (pipeline/gathering/),
+which brings the updated parameters back. The gradient is not ours: the reduction runs in place in DDP's
 bucket buffer and the kernels read it there.
 
 The region's state is kept in *parts*, one per member and state format of the bucket's parameters: a
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ...kernels import Segments, row_table
 from ...update import formats
 from ...update.formats import DTYPES
+from ..gathering.gather import BucketGather
 from .layout import BucketLayout
 from .strides import strided_view
 
@@ -166,27 +166,6 @@ def _runs(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [tuple(r) for r in out]
 
 
-def member_runs(layout, members: np.ndarray, member: int) -> list[list[tuple[int, int]]]:
-    """``(bucket offset, length)`` of ``member``'s elements in each rank's slice of the bucket, in bucket
-    order (the tail is every rank's: nothing to gather). What packed_gather.py gathers for a member."""
-    out = []
-    for r in range(layout.world_size):
-        lo, hi = layout.slice_of(r)
-        out.append([(p.bucket_off, p.length) for p in layout.pieces(r)
-                    if lo <= p.bucket_off < hi and members[p.local] == member])
-    return out
-
-
-def lead_member(layout, members: np.ndarray) -> int:
-    """The member with the most elements of the bucket (the lowest index on a tie): it gathers the whole
-    head; the same on every rank."""
-    counts: dict[int, int] = {}
-    for m, n in zip(members.tolist(), layout.numels):
-        if m >= 0:
-            counts[m] = counts.get(m, 0) + n
-    return min(counts, key=lambda m: (-counts[m], m))
-
-
 class BucketShard:
     """Attributes:
         layout: the bucket's BucketLayout (offsets, slices, rows).
@@ -198,12 +177,11 @@ class BucketShard:
             ``.data`` is a view of it, so the all-gather writes parameters in place.
         names: every state name some part holds (``"master"`` last, with master weights).
         parts: the state, one Part per member and format of the bucket's parameters (module docstring).
-        gather: the pending all-gather's Work, or None.
+        gather: the bucket's all-gather (gathering/gather.py): started after an update, finished where
+            the parameters are read next.
         reduced_buffer: this iteration's reduced gradient, from the reduction to the update: DDP's buffer,
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
         held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
-        lead: where several members share the bucket, the one whose update gathers it whole in
-            overlap="step" (the others gather their own elements: packed_gather.py); else None.
         foreign: ``(bucket offset, length)`` runs of the parameters no fused_zero optimizer updates
             (options.NO_MEMBER), adjacent ones merged: reduced to DDP's average, kept out of the parameter
             buffer (an empty one where the bucket holds no other parameter), the state and the updates.
@@ -228,8 +206,6 @@ class BucketShard:
         self.names = list(dict.fromkeys(n for m in present for n in state_names[m])) + \
             (["master"] if master and present else [])
         self.foreign = _runs([(off, n) for off, n, m in zip(layout.offsets, layout.numels, members) if m < 0])
-        self.lead = lead_member(layout, self.members) if len(self.member_set) > 1 else None
-        self._member_runs: dict[int, list] = {}  # member -> its runs in each rank's slice (packed_gather.py)
         counts_slice, counts_tail = counts if counts is not None else (True, layout.rank == 0)
         tail_at = layout.region_tail(layout.rank)[0]
         # the kernels index the optimizer-wide coefficient table: the row's pid is the global one
@@ -242,7 +218,7 @@ class BucketShard:
                 ((so, n, po, go, layout.pids[local], elem), counted))
         self.parts = [self._part(key, pieces, len(by_key) == 1, state_names[key[0]], master, device, upload)
                       for key, pieces in by_key.items()]
-        self.gather: dist.Work | None = None
+        self.gather = BucketGather(layout, self.members, self.member_set)
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # kept until the step has run
 
@@ -317,18 +293,6 @@ class BucketShard:
             mine = self.pids[self.members == member].astype(np.int64)
             self._device_pids[member] = side.upload_kept(torch.from_numpy(mine))
         return self._device_pids[member][0]
-
-    def member_runs(self, member: int) -> list[list[tuple[int, int]]]:
-        """``member``'s runs in each rank's slice (``member_runs`` above), made at first use."""
-        if member not in self._member_runs:
-            self._member_runs[member] = member_runs(self.layout, self.members, member)
-        return self._member_runs[member]
-
-    def wait_gather(self) -> None:
-        """Make the caller wait for the all-gather (a stream wait with NCCL, a host wait with gloo)."""
-        work, self.gather = self.gather, None
-        if work is not None:
-            work.wait()
 
     def live(self, name: str, member: int | None = None) -> torch.Tensor | None:
         """The region-shaped fp32 tensor that holds ``name`` itself, where there is one (one part, of

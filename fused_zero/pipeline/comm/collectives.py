@@ -1,12 +1,16 @@
 """Every collective fused_zero issues, in one place: callers use ``collectives.<name>(...)``, looked up at
 call time, so that the stream-order checker (fused_zero/testing/streamcheck) can stand in for them and record
-which stream each one follows and which tensors it reads and writes.
+which stream each one follows and which tensors it reads and writes. Each wrapper declares those facts
+(``@_declare``: FACTS), and the checker reads them from here. No module outside comm/ calls a
+torch.distributed collective (tests/test_package_layout.py holds it, its few exceptions named there).
 
 The flat-tensor collectives carry this torch's names: 2.13 renamed them (``reduce_scatter_single``,
 ``all_gather_single``); 2.11 and 2.12 have only the old ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,14 +19,47 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_reduce(t: torch.Tensor, group, async_op: bool = True):
-    return dist.all_reduce(t, group=group, async_op=async_op)
+@dataclass(frozen=True)
+class Facts:
+    """What a collective does to its caller's tensors: what the stream-order checker models it by.
+
+    Attributes:
+        reads, writes: the positions of the arguments it reads and writes (each a tensor, or a list of
+            tensors), on the process group's communication stream.
+        asynchronous: it takes ``async_op`` (True by default) and then returns a Work that the caller
+            waits for; otherwise it blocks its caller until it is done.
+        objects: it moves picklable host objects, no tensor of the caller's: nothing a stream orders.
+    """
+
+    reads: tuple[int, ...]
+    writes: tuple[int, ...]
+    asynchronous: bool = False
+    objects: bool = False
 
 
+FACTS: dict[str, Facts] = {}
+"""Each wrapper's Facts, by its name here."""
+
+
+def _declare(**facts):
+    def declared(fn):
+        FACTS[fn.__name__] = Facts(**facts)
+        return fn
+    return declared
+
+
+@_declare(reads=(0,), writes=(0,), asynchronous=True)
+def all_reduce(t: torch.Tensor, group, async_op: bool = True, op=dist.ReduceOp.SUM):
+    """``t`` reduced (``op``, a ``dist.ReduceOp``) over ``group``, in place."""
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+@_declare(reads=(1,), writes=(0,), asynchronous=True)
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     return _reduce_scatter(out, inp, group=group, async_op=async_op)
 
 
+@_declare(reads=(1,), writes=(0,), asynchronous=True)
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     """``inp`` of every rank of ``group`` into ``out`` (rank r's at chunk r), as
     ``all_gather_into_tensor``; on gloo by one broadcast per rank (``broadcast_replaces_all_gather``)."""
@@ -67,20 +104,24 @@ def _gather_by_broadcasts(out: torch.Tensor, inp: torch.Tensor, group, async_op:
     return work
 
 
+@_declare(reads=(1,), writes=(0,))
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
 
 
+@_declare(reads=(0,), writes=(1,))
 def gather(t: torch.Tensor, chunks: list[torch.Tensor] | None, dst: int, group):
     """``dst`` is a rank of ``group``."""
     return dist.gather(t, chunks, dst=dist.get_global_rank(group, dst), group=group)
 
 
+@_declare(reads=(0,), writes=(0,))
 def broadcast(t: torch.Tensor, src: int, group):
     """``src`` is a rank of ``group``."""
     return dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
 
 
+@_declare(reads=(0,), writes=(), objects=True)
 def all_gather_object(obj, group) -> list:
     """Every rank's picklable ``obj``, in the ranks' order of ``group``."""
     out = [None] * dist.get_world_size(group)

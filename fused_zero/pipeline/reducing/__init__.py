@@ -2,4 +2,4 @@
 each bucket's reduce-scatter or all-reduce in place in DDP's bucket (reduction.py), and the watch on
 ``param.grad`` between the backward and ``step()`` (grad_watch.py).
 
-May import comm/ and buckets/; not updating/, step_end/ nor the engine's modules above them."""
+May import comm/, gathering/ and buckets/; not updating/, step_end/ nor the engine's modules above them."""

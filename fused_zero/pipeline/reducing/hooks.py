@@ -247,9 +247,9 @@ class ForwardWait:
         where = engine.registry.where
         for pid in self.pids:
             shard = where[pid][0]
-            if shard.gather is not None:
+            if shard.gather.pending is not None:
                 with range_push("fused_zero.forward_wait"):
-                    shard.wait_gather()
+                    shard.gather.finish()
 
 
 class MarkUsed:

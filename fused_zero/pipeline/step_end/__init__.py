@@ -3,5 +3,5 @@ does with ``.grad`` edits, param group changes and a second backward (step_polic
 raised on every rank (refusals.py), GradScaler's side of the contract (amp.py) and the CUDA graph of
 a step (step_graph.py).
 
-May import comm/, buckets/, reducing/ and updating/; not the engine's modules above it (engine.py,
-members.py, local.py)."""
+May import comm/, gathering/, buckets/, reducing/ and updating/; not the engine's modules above it
+(engine.py, members.py, local.py)."""

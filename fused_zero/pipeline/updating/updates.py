@@ -1,6 +1,6 @@
-"""The second and third stages of a bucket's pipeline: once its reduction is waited for, the fused
-update of this rank's region (after the overflow / norm pass, which may skip it on every rank), then
-the all-gather of the updated slices into the flat parameter buffer.
+"""The second stage of a bucket's pipeline: once its reduction is waited for, the fused update of this
+rank's region (after the overflow / norm pass, which may skip it on every rank); then it starts the
+third, the all-gather of the updated slices (pipeline/gathering/), in bucket order.
 
 One launch per bucket, or, once the shards sit in arenas (overlap modes ``backward`` and ``step``, see
 arena.py), one per dtype over all of them (launches.py); the checks, the updates and the bookkeeping
@@ -15,12 +15,10 @@ import torch
 from ...update.algorithms import UpdateArgs
 from ..buckets.shard import BucketShard
 from ..buckets.topology import post_update_groups
-from ..comm import collectives
 from ..comm.profiling import range_push
 from ..reducing.reduction import Reduced
 from .launches import Unit, launch_units
 from .norm_check import check
-from .packed_gather import PackedGather
 from .tables import CoefficientTables
 from .whole_matrix import WholeMatrix
 from .whole_params import WholeParams
@@ -147,7 +145,7 @@ class Updates:
         norm_units = [u for u in units if u.member in norm] + \
             (launch_units(e, self.tables, it, items, coefs, others) if others else [])
         for shard in {id(s): s for unit in units for s in unit.shards}.values():
-            shard.wait_gather()
+            shard.gather.finish()
 
         def work(joined: bool = False) -> None:
             self._device_work(it, items, coefs, counted, units, norm_units, members, scales, clip, edited, joined)
@@ -200,22 +198,23 @@ class Updates:
         gathers(len(units))
         if joined:
             for item in items:
-                item.shard.wait_gather()
+                item.shard.gather.finish()
 
     def _gathers(self, items: list[Reduced], units: list[Unit], members: list[int]):
         """``ready(j)``: start, in bucket order, the all-gather of each bucket holding parameters of
         ``members`` once its last launch is among the first ``j + 1`` units: every member's parameters are
         current on every rank when its ``step()`` returns, as torch.optim's are (in overlap="step" a
         bucket shared by several optimizers is gathered after each one's update: whole by its lead, its
-        own elements by each other, packed_gather.py). Which buckets, and
-        their order, are every rank's, whatever launches its region needs (a rank whose slice holds none
-        of a member's rows launches nothing for it): collectives pair up by issue order."""
+        own elements by each other, gathering/packed.py). Which buckets, and their order, are every
+        rank's, whatever launches its region needs (a rank whose slice holds none of a member's rows
+        launches nothing for it): collectives pair up by issue order."""
         last = {id(s): j for j, unit in enumerate(units) for s in unit.shards}
         todo = [item.shard for item in items if item.shard.member_set.intersection(members)]
 
         def ready(j: int) -> None:
-            while todo and last.get(id(todo[0]), -1) <= j:
-                self._start_gather(todo.pop(0), members)  # a skipped update gathers the unchanged parameters
+            while todo and last.get(id(todo[0]), -1) <= j:  # a skipped update gathers the unchanged parameters
+                shard = todo.pop(0)
+                shard.gather.start(shard.param_buffer, members, self.gather_group, self.side, self.engine.scratch)
         return ready
 
     def _counted(self, items: list[Reduced], coefs: list, members: list[int]) -> list[tuple]:
@@ -240,22 +239,3 @@ class Updates:
             pids = np.concatenate([s.pids[s.members == member] for s in shards]).astype(np.int64)
             kept = self._pids_kept[member] = (list(shards), self.side.upload_kept(torch.from_numpy(pids)))
         return kept[1][0]
-
-    def _start_gather(self, shard: BucketShard, members: list[int]) -> None:
-        """The updated slices of the shard group back into the parameter buffer, after ``members``' update:
-        in place, the whole head, unless the bucket is shared and the update is not its lead member's
-        (overlap="step"): then the member's own elements, packed (packed_gather.py)."""
-        layout = shard.layout
-        if layout.world_size == 1 or layout.shard == 0 or not shard.member_set:
-            return
-        shard.wait_gather()  # one pending gather at a time (this rank's region may hold no row of ``members``)
-        with range_push("fused_zero.all_gather"):
-            if shard.lead is None or shard.lead in members:
-                lo, hi = layout.slice_of(layout.rank)
-                shard.gather = collectives.all_gather(shard.param_buffer[:layout.head], shard.param_buffer[lo:hi],
-                                                      self.gather_group)
-                return
-            for m in sorted(shard.member_set.intersection(members)):
-                shard.wait_gather()
-                shard.gather = PackedGather(shard.param_buffer, shard.member_runs(m), layout.rank, self.gather_group,
-                                            self.side, self.engine.scratch.under("packed", layout.pids, m))

@@ -1,15 +1,16 @@
 """``StreamChecker``: run the real engine on CPU tensors as if on a GPU, and report every stream-order
 hazard and every host synchronization.
 
-Inside ``with StreamChecker() as checker:`` an optimizer built on CPU parameters gets a side stream
-made of stand-ins (device.py), so the engine takes its CUDA code path: updates queued on the side
-stream, stream waits instead of host waits, pinned uploads. Its collectives (pipeline/comm/collectives.py)
-are issued on a communication stream per process group, after the issuing stream, and their Works order
-whoever waits for them; its update and norm launches are single operations on the stream they are
-queued on, reading and writing exactly their rows' elements; every other tensor operation, the model's
-forward and backward and DDP's own work included, runs on the compute stream (or, for host memory, on
-the host). The operations still compute for real (gloo, torch's CPU ops), so training goes on as usual
-while the ordering is recorded (clocks.py).
+Inside ``with StreamChecker() as checker:`` an optimizer built on CPU parameters gets a side stream made
+of stand-ins (device.py), so the engine takes its CUDA code path: updates queued on the side stream,
+stream waits instead of host waits, pinned uploads. Its collectives (pipeline/comm/collectives.py) are
+issued on a communication stream per process group, after the issuing stream, reading and writing what
+each declares there (``collectives.FACTS``), and their Works order whoever waits for them; its update
+and norm launches are single operations on the stream they are queued on, reading and writing exactly
+their rows' elements; every other tensor operation, the model's forward and backward and DDP's own work
+included, runs on the compute stream (or, for host memory, on the host). The operations still compute
+for real (gloo, torch's CPU ops), so training goes on as usual while the ordering is recorded
+(clocks.py).
 
 The checkpoint server's thread (checkpoint/serving/peers.py) is modeled too: whatever it queues inside the
 stand-ins' ``use(stream)`` runs on its own stream (``copy_stream``), seen through a dispatch mode of that
@@ -131,10 +132,9 @@ class StreamChecker:
         real_streams = streams.device_streams
         self._patch(streams, "device_streams",
                     lambda device: ModeledStreams(self, device) if device.type == "cpu" else real_streams(device))
-        for name, reads, writes in (("all_reduce", (0,), (0,)), ("reduce_scatter", (1,), (0,)),
-                                    ("all_gather", (1,), (0,)), ("all_to_all_single", (1,), (0,)),
-                                    ("gather", (0,), (1,)), ("broadcast", (0,), (0,))):
-            self._patch(collectives, name, standins.collective(self, getattr(collectives, name), reads, writes))
+        for name, facts in collectives.FACTS.items():  # what each reads and writes, declared beside it
+            if not facts.objects:  # host objects only: no stream orders them
+                self._patch(collectives, name, standins.collective(self, getattr(collectives, name), facts))
         # the code's own backend choices, from what the process groups report on the GPU machine
         for owner, name, value in backends.patches(*backends.modeled_reports(self.backend)):
             self._patch(owner, name, value)

@@ -16,9 +16,6 @@ from ...pipeline.comm import collectives
 from .device import ModeledWork
 from .graphs import replayed
 
-_ASYNC_BY_DEFAULT = {collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather}
-"""Collectives taking ``async_op`` (the others block their caller: modeled as a wait at once)."""
-
 
 def _group_of(args, kwargs):
     if "group" in kwargs:
@@ -29,12 +26,13 @@ def _group_of(args, kwargs):
     return None
 
 
-def collective(checker, real, read_args: tuple[int, ...], write_args: tuple[int, ...]):
+def collective(checker, real, facts: collectives.Facts):
     """A collective as NCCL orders it: queued on the group's stream after the issuing stream; the
-    Work orders its waiter after it."""
+    Work orders its waiter after it. ``facts``: what it reads and writes, and whether it takes
+    ``async_op`` (the others block their caller: modeled as a wait at once), as collectives.py declares."""
     def modeled(*args, **kwargs):
-        reads = [args[i] for i in read_args if isinstance(args[i], torch.Tensor)]
-        writes = [t for i in write_args for t in (args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
+        reads = [args[i] for i in facts.reads if isinstance(args[i], torch.Tensor)]
+        writes = [t for i in facts.writes for t in (args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
                   if isinstance(t, torch.Tensor)]
         sid = checker._comm_stream(_group_of(args, kwargs))
         capture = checker.capturing()
@@ -43,7 +41,7 @@ def collective(checker, real, read_args: tuple[int, ...], write_args: tuple[int,
         else:
             checker.clocks.merge(sid, checker.clocks.snapshot(checker.current))
         checker.record(f"collectives.{real.__name__}", reads=reads, writes=writes, sid=sid)
-        takes_async = real in _ASYNC_BY_DEFAULT
+        takes_async = facts.asynchronous
         with checker.paused():
             work = real(*args, **{**kwargs, "async_op": True}) if takes_async else real(*args, **kwargs)
         if capture is not None:

@@ -13,9 +13,31 @@ whole bucket after each step would double them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..comm import collectives
+
+
+def lead_member(layout, members: np.ndarray) -> int:
+    """The member with the most elements of the bucket (the lowest index on a tie): it gathers the whole
+    head; the same on every rank. ``members``: each parameter's, in bucket order."""
+    counts: dict[int, int] = {}
+    for m, n in zip(members.tolist(), layout.numels):
+        if m >= 0:
+            counts[m] = counts.get(m, 0) + n
+    return min(counts, key=lambda m: (-counts[m], m))
+
+
+def member_runs(layout, members: np.ndarray, member: int) -> list[list[tuple[int, int]]]:
+    """``(bucket offset, length)`` of ``member``'s elements in each rank's slice of the bucket, in bucket
+    order (the tail is every rank's: nothing to gather): what a PackedGather of the member gathers."""
+    out = []
+    for r in range(layout.world_size):
+        lo, hi = layout.slice_of(r)
+        out.append([(p.bucket_off, p.length) for p in layout.pieces(r)
+                    if lo <= p.bucket_off < hi and members[p.local] == member])
+    return out
 
 
 class PackedGather:
