@@ -272,7 +272,7 @@ GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coa
 """The same, as methods of a ProcessGroup (``group.send([t], peer, tag)``), called on a name ending in
 ``group`` or ``pg``."""
 COLLECTIVES_ELSEWHERE = {
-    "fused_zero.checkpoint.channel": "the checkpoint server's point-to-point messages, on a gloo group of "
+    "fused_zero.checkpoint.serving.channel": "the checkpoint server's point-to-point messages, on a gloo group of "
                                      "its own, from its own thread, each with a deadline (a protocol beside "
                                      "the training's collectives: docs/design-checkpoints.md)",
     "fused_zero.demo.run": "the demo's training loop: its all-reduce of the logged losses is the user's own",
