@@ -3,13 +3,14 @@ kernels/ is parsed, its imports resolved, and each import checked against what i
 
     kernels      nothing of fused_zero, and nothing of torch.distributed
     options      nothing of fused_zero
+    params       options (the parameters an optimizer updates, collected and checked)
     versions     nothing of fused_zero (the tested torch and Triton range, checked at import)
     update       kernels
-    pipeline     kernels, options, update
-    checkpoint   kernels, options, update, pipeline
+    pipeline     kernels, options, params, update
+    checkpoint   kernels, options, params, update, pipeline
     testing      kernels, options, update, pipeline (the stream-order checker the tests run the engine
                  under: fused_zero/testing/streamcheck/)
-    optimizer    options, update, pipeline, checkpoint
+    optimizer    options, params, update, pipeline, checkpoint
     root         (fused_zero/__init__.py) optimizer, versions
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
     demo         root, optimizer, options
@@ -36,12 +37,13 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")
 ALLOWED = {
     "kernels": set(),
     "options": set(),
+    "params": {"options"},
     "versions": set(),
     "update": {"kernels"},
-    "pipeline": {"kernels", "options", "update"},
-    "checkpoint": {"kernels", "options", "update", "pipeline"},
+    "pipeline": {"kernels", "options", "params", "update"},
+    "checkpoint": {"kernels", "options", "params", "update", "pipeline"},
     "testing": {"kernels", "options", "update", "pipeline"},
-    "optimizer": {"options", "update", "pipeline", "checkpoint"},
+    "optimizer": {"options", "params", "update", "pipeline", "checkpoint"},
     "root": {"optimizer", "versions"},
     "integrations": {"root", "optimizer", "options", "integrations"},
     "demo": {"root", "optimizer", "options"},

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..options import ShardingOptions, member_params
+from ..options import ShardingOptions
+from ..params import member_params
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.buckets.topology import world_and_rank
 from ..pipeline.comm import collectives

@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import loading
-from ..options import ddp_params, member_params, param_name
+from ..params import ddp_params, member_params, param_name
 from ..pipeline.engine import Engine
 from ..pipeline.local import (
     OVERRIDES,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..options import NO_MEMBER, group_state_formats, member_params
+from ..options import group_state_formats
+from ..params import NO_MEMBER, member_params
 from .reducing import hooks
 from .reducing.weight_watch import refresh_masters
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..options import NO_MEMBER, ShardingOptions, collect_params, group_state_formats
+from ..options import ShardingOptions, group_state_formats
+from ..params import NO_MEMBER, collect_params
 from .buckets import rebuild
 from .buckets.arena import SingleLaunch
 from .buckets.registry import ShardRegistry
@@ -106,7 +107,7 @@ class Engine(Stepping):
         members: the optimizers (Member), in the order they attached.
         params, member_of, group_of, pid_of: the parameters DDP reduces (requiring grad), their member and
             param group there, their index. A parameter no fused_zero optimizer updates has member
-            ``NO_MEMBER`` (options.py): reduced as DDP reduces it, its ``.grad`` DDP's average, and left to
+            ``NO_MEMBER`` (params.py): reduced as DDP reduces it, its ``.grad`` DDP's average, and left to
             its owner (a torch.optim optimizer, or none).
         steps / step_counts: each parameter's step count (replicated on every rank), kept and counted
             on the device; ``steps`` reads it to the host, a wait only checkpoints make (step_counts.py).

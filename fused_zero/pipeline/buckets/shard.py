@@ -183,7 +183,7 @@ class BucketShard:
             or its copy in ``grad_reduce_dtype`` (indexed like the bucket either way).
         held: some 8-bit moment is held in fp32 since a load, until ``encode_held``.
         foreign: ``(bucket offset, length)`` runs of the parameters no fused_zero optimizer updates
-            (options.NO_MEMBER), adjacent ones merged: reduced to DDP's average, kept out of the parameter
+            (params.NO_MEMBER), adjacent ones merged: reduced to DDP's average, kept out of the parameter
             buffer (an empty one where the bucket holds no other parameter), the state and the updates.
     """
 
