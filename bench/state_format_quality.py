@@ -12,7 +12,7 @@ Runs (2 gloo ranks by default):
 
     fp32                fp32 parameters, fp32 moments (torch.optim's AdamW, bit for bit)
     bf16 moments        fp32 parameters, bf16 moments (rounded to nearest even after every step)
-    int8 moments        fp32 parameters, 8-bit block-wise moments (kernels/formats.py)
+    int8 moments        fp32 parameters, 8-bit block-wise moments (kernels/codecs.py)
     bf16 params + master   bf16 parameters with fp32 masters, fp32 moments (the usual mixed precision)
     bf16 params, nearest   bf16 parameters, no master, rounded to nearest: what stochastic rounding fixes
     int8 + SR, no master   bf16 parameters, no master, stochastic rounding, 8-bit moments (~4 B/param)

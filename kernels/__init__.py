@@ -6,7 +6,7 @@ Set ``TRITON_INTERPRET=1`` before importing to run them on CPU tensors through T
 """
 
 from .adam import ADAM_COEFS, N_ADAM_COEFS, adam_coefficients, adam_step
-from .formats import BF16, FP32, INT8, sr_key
+from .codecs import BF16, FP32, INT8, sr_key
 from .norm import grad_sumsq
 from .segments import BLOCK, COLUMNS, PIECE_COLUMNS, SCALAR_BLOCK, VEC, Segments, row_table, vector_elements
 from .sgd import N_SGD_COEFS, SGD_COEFS, sgd_coefficients, sgd_step

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import BF16, FP32, INT8, round_stochastic_bits, to_bf16_bits
+from .codecs import BF16, FP32, INT8, round_stochastic_bits, to_bf16_bits
 from .segments import BLOCK, BLOCK_INDEX, COLUMNS, SCALAR_BLOCK, VEC, VECTOR, Segments
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,7 +83,7 @@ def load_weight(master_ptr, param_ptr, s_offs, p_offs, mask, HAS_MASTER: tl.cons
 def store_weight(master_ptr, param_ptr, s_offs, p_offs, p, mask, key_ptr, row, lanes, HAS_MASTER: tl.constexpr,
                  PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Write the updated weight: to the master copy if there is one, and to the parameter (bf16 without
-    a master: ``STOCHASTIC`` rounds stochastically, see formats.py, with the parameter's key of this step
+    a master: ``STOCHASTIC`` rounds stochastically, see codecs.py, with the parameter's key of this step
     at ``key_ptr`` in its coefficient row and each element's index from the row's ``elem`` column)."""
     if HAS_MASTER:
         tl.store(master_ptr + s_offs, p, mask=mask)
@@ -141,7 +141,7 @@ def check_flat(name: str, t: torch.Tensor | None, device: torch.device, dtypes=F
 
 
 MOMENT_FORMATS = {torch.float32: FP32, torch.bfloat16: BF16, torch.uint8: INT8}
-"""A moment tensor's dtype is its storage format (formats.py): uint8 holds 8-bit codes."""
+"""A moment tensor's dtype is its storage format (codecs.py): uint8 holds 8-bit codes."""
 
 
 def check_moments(moments: dict, scales: dict | None, segments: Segments, device: torch.device) -> int:

@@ -45,7 +45,7 @@ from ._common import (
     row_is_vector,
     store_weight,
 )
-from .formats import load_moment, store_moment
+from .codecs import load_moment, store_moment
 from .segments import Segments
 
 ADAM_COEFS = ("active", "grad_div", "decay_mul", "l2", "lerp_w", "beta2", "one_minus_beta2",
@@ -77,7 +77,7 @@ def _adam_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_CLIP: tl.constexpr,
     PARAM_BF16: tl.constexpr,
-    MOMENTS: tl.constexpr,     # FP32, BF16 or INT8 (formats.py)
+    MOMENTS: tl.constexpr,     # FP32, BF16 or INT8 (codecs.py)
     STOCHASTIC: tl.constexpr,  # bf16 parameter without a master, rounded stochastically
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -158,7 +158,7 @@ def adam_coefficients(*, lr, beta1, beta2, eps, weight_decay, step, decoupled: b
     Every argument is a scalar or a sequence with one entry per parameter. ``step`` is the step count
     *after* this update (1 on the first step), as torch.optim's ``state["step"]`` reads once
     incremented. ``active=False`` rows are skipped entirely (a parameter with no gradient).
-    ``sr_key``: each parameter's 32-bit stochastic-rounding key of this step (formats.sr_key), kept as
+    ``sr_key``: each parameter's 32-bit stochastic-rounding key of this step (codecs.sr_key), kept as
     the bits of its float32 column.
     """
     lr, beta1, beta2, eps, wd, step, grad_div, active = np.broadcast_arrays(
@@ -210,7 +210,7 @@ def adam_step(
     ``master`` (fp32, shard-indexed) is read and written when given, and the parameter is written
     from it; without it the parameter itself is read and written. ``max_exp_avg_sq`` turns on
     amsgrad. Coupled vs decoupled weight decay is in ``coefs`` (see `adam_coefficients`).
-    The moments' dtype is their format (formats.py): float32, bfloat16, or uint8 codes with
+    The moments' dtype is their format (codecs.py): float32, bfloat16, or uint8 codes with
     ``scales`` (``{"exp_avg": ..., "exp_avg_sq": ..., "max_exp_avg_sq": ...}``, fp32, one per row of
     ``segments``). ``stochastic``: a bf16 ``param`` without ``master``, rounded stochastically with
     the keys of ``coefs``' sr_key column.

@@ -37,7 +37,7 @@ from ._common import (
     row_is_vector,
     store_weight,
 )
-from .formats import load_moment, store_moment
+from .codecs import load_moment, store_moment
 from .segments import Segments
 
 SGD_COEFS = ("active", "grad_div", "weight_decay", "momentum", "one_minus_dampening", "neg_lr", "first", "sr_key")
@@ -65,7 +65,7 @@ def _sgd_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_CLIP: tl.constexpr,
     PARAM_BF16: tl.constexpr,
-    MOMENTS: tl.constexpr,     # FP32, BF16 or INT8 (formats.py)
+    MOMENTS: tl.constexpr,     # FP32, BF16 or INT8 (codecs.py)
     STOCHASTIC: tl.constexpr,  # bf16 parameter without a master, rounded stochastically
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,

@@ -38,7 +38,7 @@ thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
 groups and records the format, the optimizer kind, state names and parameter shapes, so that a mismatch
 is named before anything loads.
 
-Compact moments (``state_format``, update/formats.py) are saved as stored: 8-bit codes (one byte an
+Compact moments (``state_format``, update/codecs.py) are saved as stored: 8-bit codes (one byte an
 element, in the parameter's element space like every other state tensor) and bf16 values, under the
 same keys; ``fused_zero`` records which (``"stored"``) and, for 8-bit moments, every block's first
 element and scale (``"blocks"``, 12 bytes a block of up to 2048 elements). The blocks are the saving
@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.comm import collectives
-from ..update.formats import DTYPES, SIGNED, decode
+from ..update.codecs import DTYPES, SIGNED, decode
 from . import canonical, checks, loading
 from .checks import MASTER_KEY, StateDictError
 from .chunks import STORED, _chunks, _owned, _tensor
@@ -267,7 +267,7 @@ def _check(engine, sd):
 
 def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, where: str) -> torch.Tensor:
     """8-bit codes (received in fp32) of a parameter's ``runs``, decoded with the saved blocks' scales:
-    the values the saving optimizer held, bit for bit (``formats.values``' product)."""
+    the values the saving optimizer held, bit for bit (``codecs.values``' product)."""
     if blocks is None:
         raise StateDictError(f"{where}: its 8-bit {name!r} has no block scales in the checkpoint")
     starts, scales = (np.asarray(t.numpy()) for t in blocks)  # host tensors, as unpickled

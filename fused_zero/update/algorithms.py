@@ -28,7 +28,7 @@ class UpdateArgs:
     clip_coef: torch.Tensor | None = None
     scales: dict[str, torch.Tensor] | None = None  # 8-bit moments: one fp32 scale per row of the launch
     stochastic: bool = False  # bf16 parameters without masters, rounded stochastically
-    blocks: object = None  # the launch's formats.BlockTable: what the torch backend cuts runs and blocks by
+    blocks: object = None  # the launch's codecs.BlockTable: what the torch backend cuts runs and blocks by
     hparams: list[dict] | None = None  # the member's param groups as this step reads them (torch's own updates)
     group_of: object = None  # each engine parameter's param group in its member (numpy)
     grad_div: object = None  # what each engine parameter's reduced gradient is divided by (numpy; the host's)

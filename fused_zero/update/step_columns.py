@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels import ADAM_COEFS, SGD_COEFS
-from .formats import _mix32
+from .codecs import _mix32
 
 UPLOAD_ROWS = 1024
 """The fewest rows a rewrite of a table uploads (a power of two): betas that change every step rewrite

@@ -4,7 +4,7 @@ This is the fast path for CPU tensors (the Triton interpreter is a correctness t
 slower). It reads the same rows and the same float32 coefficient table, and calls the very ops
 torch.optim's single-tensor implementations call, with the same Python scalars, so its results are
 the ones torch.optim computes, element for element. Moments stored in bf16 or 8 bits are decoded to
-fp32 before those ops and encoded after them (formats.py), as the kernels do. Rows go in merged runs;
+fp32 before those ops and encoded after them (codecs.py), as the kernels do. Rows go in merged runs;
 with 8-bit moments or stochastic rounding the runs are merged from the kernels' own rows, each a block
 whose scale is reduced on its own (``encode_blocks``), and runs of stochastically rounded weights keep
 to one parameter, whose element indices draw the bits.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import ADAM_COEFS, SGD_COEFS
-from .formats import SIGNED, decode, encode_blocks, round_stochastic
+from .codecs import SIGNED, decode, encode_blocks, round_stochastic
 
 _ADAM = {name: i for i, name in enumerate(ADAM_COEFS)}
 _SGD = {name: i for i, name in enumerate(SGD_COEFS)}
@@ -67,7 +67,7 @@ def merged_runs(rows, table: list[list[float]]):
 
 
 def block_runs(rows, table: list[list[float]], stochastic: bool):
-    """The kernels' rows (blocks: ``formats.BlockTable.rows``) merged as ``merged_runs`` merges pieces,
+    """The kernels' rows (blocks: ``codecs.BlockTable.rows``) merged as ``merged_runs`` merges pieces,
     with what 8-bit moments and stochastic rounding need: ``(so, n, po, go, pid, elem, first, k)``,
     ``elem`` the first element's index in its parameter, ``first`` / ``k`` the run's first block and
     its number of blocks (consecutive rows of the table). With stochastic rounding a run stays within
@@ -87,7 +87,7 @@ def block_runs(rows, table: list[list[float]], stochastic: bool):
 class _Moments:
     """One run's moments as fp32 working tensors (views of fp32 storage, decoded copies otherwise),
     and their storing back (8-bit: each of the run's blocks with its own scale). The run's slots'
-    blocks are a view of the table's cached ``slots`` (formats.BlockTable): nothing is built per step."""
+    blocks are a view of the table's cached ``slots`` (codecs.BlockTable): nothing is built per step."""
 
     def __init__(self, args, so: int, n: int, first: int, k: int):
         self.args, self.so, self.n = args, so, n
@@ -159,7 +159,7 @@ def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     saved is one or two fresh temporaries of the row's size per step, which glibc's malloc hands back
     to the system at these sizes (mmap, or a trim of the heap's top) and faults in anew at the next
     step: 4.2M elements on one core, about 10 ms here against 13-23 ms for torch's AdamW step.
-    ``moments`` reads and writes the moments in their storage format (update/formats.py)."""
+    ``moments`` reads and writes the moments in their storage format (update/codecs.py)."""
     g, owned = _grad(args, go, n, c[_ADAM["grad_div"]], maximize)
     m = moments.get("exp_avg")
     v = moments.get("exp_avg_sq")

@@ -4,7 +4,7 @@ compute them with ``enable_fp_fusion=False``, ``div_rn`` and ``sqrt_rn``. The in
 equal it bit for bit (``torch.equal``); compiled for a GPU, so must they (tests/gpu).
 
 It reads the same Segments rows and coefficient table as the kernels and updates the same flat
-buffers in place; elements of no row are never touched. The storage formats (kernels/formats.py) are
+buffers in place; elements of no row are never touched. The storage formats (kernels/codecs.py) are
 written here from their definition, with float arithmetic (frexp, ldexp, round half to even), not
 with the kernels' integer recipes: two formulations of one format, which must agree bit for bit.
 

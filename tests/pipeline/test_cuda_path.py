@@ -404,14 +404,14 @@ def test_amsgrad_keeps_a_nan_like_torch():
 
 
 def test_8bit_regions_are_decoded_and_encoded_on_their_device():
-    """8-bit moments decoded (``formats.values``) and encoded (``store_values``, the reshard's and the
+    """8-bit moments decoded (``codecs.values``) and encoded (``store_values``, the reshard's and the
     loads' path) read no host tensor on the device: the block index is made on the region's device
     (issue 23, defect 2: built on the host, CUDA refused it as an index at the first bucket rebuild).
     Under the checker, whose device memory is what a factory makes with a ``device=`` torch.device; two
     pieces with a gap no row covers. The codes and scales are the ones a masked encoding gives."""
     from fused_zero.kernels import row_table
     from fused_zero.testing.streamcheck import StreamChecker
-    from fused_zero.update import formats
+    from fused_zero.update import codecs
 
     device = torch.device("cpu")
     x = torch.randn(3200, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
@@ -419,16 +419,16 @@ def test_8bit_regions_are_decoded_and_encoded_on_their_device():
         rows = row_table([(0, 3000, 0, 0, 0, 0), (3104, 70, 3000, 3000, 1, 0)])  # host memory, as a shard's
         region = torch.zeros(3200, dtype=torch.uint8, device=device)
         scale = torch.zeros(rows.shape[0], dtype=torch.float32, device=device)
-        blocks = formats.BlockTable(rows, 3200, device)  # as a shard's part builds it
-        formats.store_values(region, scale, blocks, "exp_avg", x.to(device))
-        decoded = formats.values(region, scale, blocks, "exp_avg")
+        blocks = codecs.BlockTable(rows, 3200, device)  # as a shard's part builds it
+        codecs.store_values(region, scale, blocks, "exp_avg", x.to(device))
+        decoded = codecs.values(region, scale, blocks, "exp_avg")
     assert checker.hazards() == [], checker.report()
     block = torch.full((3200,), -1, dtype=torch.int64, device="cpu")
     for so, n, b in rows[:, [0, 1, 7]].tolist():
         block[so:so + n] = b
     covered = block >= 0
-    codes, s = formats.encode_blocks(x[covered], block[covered], rows.shape[0], True)
+    codes, s = codecs.encode_blocks(x[covered], block[covered], rows.shape[0], True)
     assert torch.equal(region[covered], codes) and not region[~covered].any() and torch.equal(scale, s)
     expected = torch.zeros(3200, dtype=torch.float32, device="cpu")
-    expected[covered] = formats.decode8(codes, True) * s[block[covered]]
+    expected[covered] = codecs.decode8(codes, True) * s[block[covered]]
     assert torch.equal(decoded, expected)

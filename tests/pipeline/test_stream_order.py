@@ -59,7 +59,7 @@ from fused_zero.pipeline.reducing.reduction import Reduction
 from fused_zero.pipeline.updating.updates import Updates
 from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.testing.streamcheck.backends import patched
-from fused_zero.update import formats
+from fused_zero.update import codecs
 
 STEPS = 5
 DEVICE = torch.device("cpu")  # a torch.device: the checker's device memory ("cpu" the string: the host)
@@ -381,8 +381,8 @@ REVERTED = {
         {**BASE, "reduce_dtype": torch.bfloat16},
         "freed while in use"),
     "8-bit block index on the host": (
-        [(formats.BlockTable, "slots", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
-        ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/update/formats.py",
+        [(codecs.BlockTable, "slots", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
+        ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/update/codecs.py",
          "_blocks_on_the_host")),
     "pinned buffer refilled while in use": (
         [(streams_module._PinnedRing, "take", _ring_reusing_a_busy_buffer)], {**BASE, "find_unused": True},

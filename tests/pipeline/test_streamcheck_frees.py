@@ -40,7 +40,7 @@ def _block_index_read_by_the_server_first() -> list:
 
     from fused_zero.kernels import row_table
     from fused_zero.testing.streamcheck.device import ModeledStreams
-    from fused_zero.update.formats import BlockTable
+    from fused_zero.update.codecs import BlockTable
 
     with StreamChecker() as checker:
         streams = ModeledStreams(checker, torch.device("cpu"))
@@ -60,7 +60,7 @@ def _block_index_read_by_the_server_first() -> list:
 
 
 def test_the_cpu_block_index_belongs_to_the_thread_that_built_its_table():
-    """formats.BlockTable's slot index on a CPU device is made with the table, by the thread laying the
+    """codecs.BlockTable's slot index on a CPU device is made with the table, by the thread laying the
     state out: cached at its first call instead, it belonged, in the checker's model, to whichever thread
     asked first, and a checkpoint server asking first made the training thread's reads look like uses of
     the server stream's memory (the 8-bit configurations' intermittent "freed while in use")."""

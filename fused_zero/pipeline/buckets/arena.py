@@ -24,7 +24,7 @@ import torch
 
 from ...kernels import Segments, row_table
 from ...kernels.segments import VEC, VECTOR
-from ...update.formats import BlockTable
+from ...update.codecs import BlockTable
 from .shard import BucketShard
 
 ARENA_ALIGN = 32

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ...kernels import Segments, row_table
-from ...update import formats
-from ...update.formats import DTYPES
+from ...update import codecs
+from ...update.codecs import DTYPES
 from ..gathering.gather import BucketGather
 from .layout import BucketLayout
 from .strides import strided_view
@@ -42,12 +42,12 @@ class Part:
 
     Attributes:
         member: the member (optimizer) whose parameters these are: its algorithm updates them.
-        format: the moments' storage format (update/formats.py).
+        format: the moments' storage format (update/codecs.py).
         state: state name -> tensor of ``size`` slots in that format (fp32 ``"master"``).
         scales: 8-bit moments' fp32 scales, one per row of ``table``; else empty.
         rows: host kernel pieces indexing ``state`` (the shard's parameter and gradient offsets);
             ``table`` their host row table (kernels.row_table); ``segments`` the same on the device;
-            ``blocks`` its 8-bit blocks (formats.BlockTable), derived once with it.
+            ``blocks`` its 8-bit blocks (codecs.BlockTable), derived once with it.
         spans: ``(region_off, part_off, length)`` runs: where the part's slots sit in the region.
         size: slots of each state tensor.
         region_shaped: the shard's only part: slot ``i`` is region slot ``i``.
@@ -63,7 +63,7 @@ class Part:
     rows: list
     table: torch.Tensor
     segments: object
-    blocks: formats.BlockTable
+    blocks: codecs.BlockTable
     spans: list
     size: int
     region_shaped: bool
@@ -77,7 +77,7 @@ class Part:
 
     def region_values(self, name: str, out: torch.Tensor) -> None:
         """Write this part's ``name`` decoded to fp32 into its slots of region-shaped ``out``."""
-        v = formats.values(self.state[name], self.scales.get(name), self.blocks, name)
+        v = codecs.values(self.state[name], self.scales.get(name), self.blocks, name)
         for lo, at, n in self.spans:
             out[lo:lo + n] = v[at:at + n]
 
@@ -99,7 +99,7 @@ class Part:
 
     def store_region(self, name: str, x: torch.Tensor) -> None:
         """Encode this part's slots of region-shaped fp32 ``x`` into ``name``."""
-        formats.store_values(self.state[name], self.scales.get(name), self.blocks, name, self._mine(x))
+        codecs.store_values(self.state[name], self.scales.get(name), self.blocks, name, self._mine(x))
 
     def _mine(self, x: torch.Tensor) -> torch.Tensor:
         """This part's slots of region-shaped ``x``."""
@@ -130,7 +130,7 @@ class Part:
             if name != "master" and t.dtype == torch.float32:
                 state[name] = torch.zeros(self.size, dtype=torch.uint8, device=t.device)
                 scales[name] = torch.zeros(self.table.shape[0], dtype=torch.float32, device=t.device)
-                formats.store_values(state[name], scales[name], self.blocks, name, t)
+                codecs.store_values(state[name], scales[name], self.blocks, name, t)
         self.state, self.scales = state, scales
 
 
@@ -236,7 +236,7 @@ class BucketShard:
                   for name in state_names} if moments == torch.uint8 else {}
         segments = Segments.build(rows, upload=upload) if upload is not None else None
         norm_segments = Segments.build(norm_rows, upload=upload) if upload is not None else None
-        blocks = formats.BlockTable(table, size, device, upload)
+        blocks = codecs.BlockTable(table, size, device, upload)
         return Part(member, fmt, state, scales, rows, table, segments, blocks, spans, size, single, norm_rows,
                     norm_segments)
 

@@ -9,7 +9,7 @@ import torch
 
 from ...kernels import Segments
 from ...update.algorithms import UpdateArgs, grad_sumsq
-from ...update.formats import DTYPES
+from ...update.codecs import DTYPES
 
 
 def compile_kernels(e) -> None:

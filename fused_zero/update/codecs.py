@@ -1,4 +1,4 @@
-"""The state formats of kernels/formats.py on the host and the CPU path, with torch's own ops: the same
+"""The state formats of kernels/codecs.py on the host and the CPU path, with torch's own ops: the same
 integer recipes, so the CPU path computes the kernels' bits, and a state moved (resharding) or loaded
 (checkpoints) is encoded exactly as an update would encode it.
 
@@ -49,7 +49,7 @@ def decode(code: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def encode8(y: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The kernels' recipe (kernels/formats.py), each ``where`` written as a mask of sign bits and
+    """The kernels' recipe (kernels/codecs.py), each ``where`` written as a mask of sign bits and
     every op after the first few in place: the same codes for every bit pattern of ``y`` (NaN and
     overflow included), without ``where`` (about 20 ns an element on this CPU build) or a fresh
     temporary per op. ``e`` lies within
@@ -81,7 +81,7 @@ def encode_blocks(x: torch.Tensor, local: torch.Tensor, k: int, signed: bool) ->
 
 
 def round_stochastic(p: torch.Tensor, key: int, elem: torch.Tensor) -> torch.Tensor:
-    """bf16 by stochastic rounding (kernels/formats.py), ``elem`` each element's index in its parameter."""
+    """bf16 by stochastic rounding (kernels/codecs.py), ``elem`` each element's index in its parameter."""
     h = _mix32(key ^ ((elem * 0x9E3779B9) & 0xFFFFFFFF))
     bits = p.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out = ((bits + (h >> 16)) >> 16).to(torch.int32).to(torch.int16)
