@@ -40,7 +40,7 @@ from ..pipeline.reducing import hooks
 PER_OPTIMIZER = ("state_format",)
 """Options each optimizer keeps for itself (the default of its param groups); the others are the module's."""
 
-_HUBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the DDP module (plain module) -> Hub
+_BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the DDP module (plain module) -> ModuleOptimizers
 
 
 def join(opt, ddp, options: dict) -> None:
@@ -48,19 +48,19 @@ def join(opt, ddp, options: dict) -> None:
     optimizers own every parameter DDP reduces. Raises, changing nothing, for a bad split."""
     local = isinstance(ddp, LocalModule)
     key = ddp.module if local else ddp
-    hub = _HUBS.get(key)
+    attached = _BY_MODULE.get(key)
     # a plain module has no comm hook to keep: an optimizer attached once its engine exists starts anew
     # (one process replacing its optimizer), where a DDP module's hook stays the first engine's
-    if hub is None or (local and hub.engine is not None):
-        hub = _HUBS[key] = Hub(ddp)
-    hub.join(opt, ddp, options)
+    if attached is None or (local and attached.engine is not None):
+        attached = _BY_MODULE[key] = ModuleOptimizers(ddp)
+    attached.join(opt, ddp, options)
 
 
 def _same(a, b) -> bool:
     return a is b or (type(a) is type(b) and a == b)
 
 
-class Hub:
+class ModuleOptimizers:
     """The optimizers attached to one DDP module. It is the value of a weak-keyed map whose key is the
     module, so it holds the module (and the engine, which holds it) only while optimizers wait: else
     neither could ever be freed.
@@ -135,7 +135,7 @@ class Hub:
     def _install_guard(self) -> None:
         if self._guard is None:
             module = self.ddp.module if isinstance(self.ddp, LocalModule) else self.ddp
-            self._guard = hooks.forward_pre_hook(module, _Settle(self))
+            self._guard = hooks.forward_pre_hook(module, _SettleAtFirstForward(self))
 
     def _build(self) -> None:
         """The layout is settled (every parameter owned, or the module's first forward): check each
@@ -154,17 +154,17 @@ class Hub:
             o._bind(engine, member, plan)
 
 
-class _Settle:
+class _SettleAtFirstForward:
     """Forward pre-hook of a module whose attached optimizers do not own every parameter: its first forward
     settles the layout, with the optimizers attached by then (every rank runs it, with the same ones)."""
 
-    def __init__(self, hub: Hub):
-        self.hub = weakref.ref(hub)
+    def __init__(self, attached: ModuleOptimizers):
+        self.attached = weakref.ref(attached)
 
     def __call__(self, module, args):
-        hub = self.hub()
-        if hub is not None and hub.engine is None and hub.waiting:
-            hub._build()
+        attached = self.attached()
+        if attached is not None and attached.engine is None and attached.waiting:
+            attached._build()
 
 
 def not_attached(opt, what: str) -> str:
