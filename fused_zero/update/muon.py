@@ -97,26 +97,6 @@ class MuonAlgorithm(Algorithm):
         raise RuntimeError("Muon updates in phases (pipeline/updating/whole_matrix.py), not in one launch")
 
 
-def gradient(grad: torch.Tensor, grad_div: float, inv_scale: torch.Tensor | None,
-             clip_coef: torch.Tensor | None) -> torch.Tensor:
-    """A piece of the reduced gradient as torch.optim.Muon reads ``p.grad``: DDP's average, unscaled
-    as GradScaler.unscale_ unscales (a multiplication by the fp32 reciprocal: Muon has no fused step
-    for the scaler to hand its scale to), clipped as clip_grad_norm_ clips. Always a new fp32 tensor."""
-    g = grad.to(torch.float32, copy=True)
-    if grad_div != 1.0:
-        g.div_(grad_div)
-    if inv_scale is not None:
-        g.mul_(inv_scale)
-    if clip_coef is not None:
-        g.mul_(clip_coef.to(torch.float32))
-    return g
-
-
-def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
-    """GradScaler.unscale_'s factor: the fp32 reciprocal of the scale, taken in float64."""
-    return grad_scale.double().reciprocal().float()
-
-
 def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
                     ok: torch.Tensor) -> torch.Tensor:
     """Advance the momentum ``buf`` (a piece, in place) where ``ok`` (a device flag: the step is not skipped)
