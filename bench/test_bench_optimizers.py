@@ -24,16 +24,11 @@ import pytest
 import torch
 from test_bench_step import CLOCK, CUDA, PAIR_WORLD, _median, _report, device_name, run_ranks
 
-from fused_zero.optimizer import TWINS
-from fused_zero.update.elementwise import SPECS
+from fused_zero.update import registry
 
-HP = {"AdamW": dict(lr=1e-3, weight_decay=0.1), "Adagrad": dict(lr=1e-2), "Adadelta": dict(lr=1.0),
-      "Adamax": dict(lr=2e-3), "ASGD": dict(lr=1e-2), "NAdam": dict(lr=2e-3), "RAdam": dict(lr=1e-3),
-      "RMSprop": dict(lr=1e-3, momentum=0.9), "Rprop": dict(lr=1e-3), "Adafactor": dict(lr=1e-2)}
-STATES = {"AdamW": 2, **{name: len(SPECS[name].state) for name in TWINS}}
-STATES["RMSprop"] = 2  # square_avg and, with momentum, momentum_buffer
-STATES["Adafactor"] = 0  # a few numbers per row and column
-OPTIMIZERS = ["AdamW", *TWINS, "Adafactor"]
+HP = {d.name: d.bench for d in registry.DECLARATIONS if d.bench is not None}
+"""Each benchmarked optimizer's hyperparameters, as it declares them (fused_zero/update/registry.py)."""
+OPTIMIZERS = list(HP)
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 20 if CUDA else 6))
 WARMUP = 2
@@ -88,6 +83,8 @@ def _rank_main(rank: int, world: int) -> dict:
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
             out[(name, system)] = {"step": times, "state_bytes": state,
                                    "params": sum(p.numel() for p in model.parameters())}
+            if system == "fused_zero":  # the state tensors per element (Adafactor's: a few per row and column)
+                out[(name, "states")] = len(opt._algorithm.state_names())
             if system == "fused_zero":
                 opt._engine.close()
             del ddp, opt, model
@@ -104,7 +101,7 @@ def test_optimizer_step(benchmark, name, system):
         _RESULTS["ranks"] = run_ranks(_rank_main, PAIR_WORLD)
     r0 = _RESULTS["ranks"][0]
     mine, theirs = r0[(name, system)], r0[(name, "torch")]
-    per_element = 4 + 4 + 8 * STATES[name] + 4
+    per_element = 4 + 4 + 8 * r0[(name, "states")] + 4
     info = dict(
         bench="optimizers", optimizer=name, system=system, world=PAIR_WORLD, device=device_name(),
         torch=torch.__version__, model=f"GPT n_embd={MODEL[0]} n_layer={MODEL[1]}", params=mine["params"],

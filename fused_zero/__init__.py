@@ -9,25 +9,12 @@ from . import versions as _versions
 
 _versions.check_installed()  # torch and Triton inside the tested range, or an error / a warning naming it
 
-from .optimizer import (  # noqa: E402
-    ASGD,
-    SGD,
-    Adadelta,
-    Adafactor,
-    Adagrad,
-    Adam,
-    Adamax,
-    AdamW,
-    Muon,
-    NAdam,
-    RAdam,
-    RMSprop,
-    Rprop,
-)
+from .optimizer import OPTIMIZERS  # noqa: E402
 from .optimizer.twins import NO_TWIN  # noqa: E402
 
-__all__ = ["ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "Muon", "NAdam", "RAdam",
-           "RMSprop", "Rprop", "SGD", "__version__"]
+globals().update(OPTIMIZERS)  # every optimizer update/registry.py declares, by its name
+
+__all__ = [*OPTIMIZERS, "__version__"]
 
 
 def __getattr__(name: str):

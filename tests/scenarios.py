@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.update import registry
 
 VOCAB, DIM, HIDDEN = 13, 7, 33
 
@@ -93,21 +94,11 @@ class Case:
                 f"{f'-plan{self.plan}' if self.plan != 'auto' else ''}")
 
 
-DEFAULT_HPARAMS = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
-                   "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01), "Muon": dict(lr=2e-2, weight_decay=0.1),
-                   # torch.optim's elementwise optimizers (fused_zero/optimizer/twins.py): each with its
-                   # options that change the update on (weight decay, momentum, centering, a nonzero start)
-                   "Adagrad": dict(lr=5e-2, lr_decay=1e-3, weight_decay=0.01, initial_accumulator_value=0.1),
-                   "Adadelta": dict(lr=1.0, rho=0.9, weight_decay=0.01),
-                   "Adamax": dict(lr=1e-2, weight_decay=0.01),
-                   "ASGD": dict(lr=5e-2, lambd=1e-3, t0=3, weight_decay=0.01),
-                   "NAdam": dict(lr=1e-2, weight_decay=0.01, momentum_decay=4e-3),
-                   "RAdam": dict(lr=1e-2, weight_decay=0.01),
-                   "RMSprop": dict(lr=1e-3, momentum=0.9, centered=True, weight_decay=0.01),
-                   "Rprop": dict(lr=1e-2), "Adafactor": dict(lr=1e-2, weight_decay=0.01)}
+DEFAULT_HPARAMS = {d.name: dict(d.test) for d in registry.DECLARATIONS}
+"""Each optimizer's hyperparameters in the tests, as it declares them (fused_zero/update/registry.py):
+each with its options that change the update on (weight decay, momentum, centering, a nonzero start)."""
 
-
-CONSTRUCTOR_ONLY = {"Adagrad": ("initial_accumulator_value",)}
+CONSTRUCTOR_ONLY = {d.name: d.constructor_only for d in registry.DECLARATIONS if d.constructor_only}
 """Hyperparameters torch.optim reads from its constructor only: Adagrad fills its accumulator with the
 constructor's ``initial_accumulator_value`` when it is built, and a param group's key of that name is
 ignored. ``param_groups`` leaves them out; ``constructor_kwargs`` gives them to the constructors."""

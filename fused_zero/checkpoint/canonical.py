@@ -39,31 +39,15 @@ from .checks import MASTER_KEY
 
 def has_state(engine, i: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum; Adagrad: when
-    it is built)."""
-    algo, count = engine.algo, engine.counts()[i]
-    if hasattr(algo, "has_state"):
-        return algo.has_state(count, engine.opt.param_groups[engine.table.group_of[i]])
-    if count == 0:
-        return False
-    if algo.kind == "sgd":
-        return engine.opt.param_groups[engine.table.group_of[i]]["momentum"] != 0
-    return True
-
-
-def keeps_step(engine) -> bool:
-    """Whether torch.optim keeps ``step`` in each parameter's state (not SGD's, nor Muon's)."""
-    return engine.algo.kind == "adam" or getattr(engine.algo, "keeps_step", False)
+    it is built): update/interface.Algorithm.has_state."""
+    return engine.algo.has_state(engine.counts()[i], engine.opt.param_groups[engine.table.group_of[i]])
 
 
 def state_names_of(engine, shard, i: int) -> list[str]:
     """The state names torch.optim keeps for parameter ``i`` (the shard's, less what its param group
     has no use for: RMSprop's momentum buffer without momentum)."""
-    names = engine.layout.names(shard)
-    group_has = getattr(engine.algo, "group_has", None)
-    if group_has is None:
-        return names
     group = engine.opt.param_groups[engine.table.group_of[i]]
-    return [n for n in names if n == "master" or group_has(n, group)]
+    return [n for n in engine.layout.names(shard) if n == "master" or engine.algo.group_has(n, group)]
 
 
 def kept_entries(engine, i: int) -> dict:
@@ -71,7 +55,7 @@ def kept_entries(engine, i: int) -> dict:
     ``eta`` and ``mu``: update/elementwise.py; Adafactor's factored statistics: update/adafactor.py),
     on the CPU."""
     algo = engine.algo
-    if not getattr(algo, "kept_names", ()):
+    if not algo.kept_names:
         return {}
     group = engine.opt.param_groups[engine.table.group_of[i]]
     return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(engine.table.pids[i]), group,
@@ -162,7 +146,7 @@ class StateDictBuilder:
             return None
         p = e.table.params[i]
         entry = self.state.setdefault(self._index[id(p)], {})
-        if keeps_step(e):
+        if e.algo.keeps_step:
             entry["step"] = torch.tensor(float(e.counts()[i]), dtype=torch.float32, device="cpu")
         fresh = e.counts()[i] == 0  # state torch makes before the first step (Adagrad's): its first values
         flats = {}
@@ -204,8 +188,7 @@ class StateDictBuilder:
             flat.fill_(value)
         # torch.optim's order: parameters by index, step first, then the state tensors (the algorithm's
         # order where it keeps 0-dim scalars too), fp32_master last
-        order = getattr(getattr(self.engine.algo, "spec", None), "order", ("step",))
-        rank = {key: i for i, key in enumerate(order)}
+        rank = {key: i for i, key in enumerate(self.engine.algo.state_order)}
         state = {k: dict(sorted(v.items(), key=lambda kv: rank.get(kv[0], len(rank) + (kv[0] == MASTER_KEY))))
                  for k, v in sorted(self.state.items())}
         out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
@@ -238,7 +221,7 @@ def local_entry(engine, i: int) -> dict:
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
             if owner in (me, REPLICATED)]
     entry = {}
-    if keeps_step(engine):
+    if engine.algo.keeps_step:
         entry["step"] = torch.tensor(float(engine.counts()[i]), dtype=torch.float32, device="cpu")
     engine.synchronize()
     for name in state_names_of(engine, shard, i):

@@ -8,52 +8,24 @@ The error names the first difference found, in the optimizer's parameter order.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 
 import torch
 
 from ..pipeline.comm import collectives
+from ..update import registry
 
 MASTER_KEY = "fp32_master"
 """The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.
 torch.optim loads it as an unknown key (carried along, never read), see canonical.py."""
 
-_KIND_NAMES = {"adam": "Adam/AdamW", "sgd": "SGD", "muon": "Muon"}
-_FOREIGN_STATE = {"adam": ("momentum_buffer",), "sgd": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-                  "muon": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-_GROUP_KEYS = {"adam": ("lr", "betas", "eps", "weight_decay"),
-               "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-               "muon": ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients", "ns_steps")}
-
-
-def _add_elementwise() -> None:
-    """torch.optim's elementwise optimizers (update/elementwise.py): named as torch names them; a state
-    name another of them keeps and this one does not is foreign; the group keys are the torch class's
-    hyperparameters (its defaults less the implementation flags)."""
-    from ..update.adafactor import SPEC as ADAFACTOR
-    from ..update.elementwise import SPECS
-
-    SPECS = {**SPECS, ADAFACTOR.name: ADAFACTOR}
-    flags = {"foreach", "maximize", "capturable", "differentiable", "fused"}
-    known = {n for spec in SPECS.values() for n in (*spec.state, *spec.scalars)} | \
-        {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}
-    for spec in SPECS.values():
-        _KIND_NAMES[spec.kind] = spec.name
-        _FOREIGN_STATE[spec.kind] = tuple(sorted(known - set(spec.state) - set(spec.scalars)))
-        params = inspect.signature(spec.torch_class.__init__).parameters
-        _GROUP_KEYS[spec.kind] = tuple(k for k in params if k not in ("self", "params") and k not in flags)
-
-
-_add_elementwise()
-
-
 class StateDictError(ValueError):
     """A state dict that cannot be loaded; nothing was changed."""
 
 
-def check_structure(sd, kind: str) -> None:
-    """The outer shape: what a truncated file or an unrelated object fails."""
+def check_structure(sd, algo) -> None:
+    """The outer shape: what a truncated file or an unrelated object fails; every param group holds the
+    keys of ``algo``'s kind (update/interface.Algorithm.group_keys), or the dict is another kind's."""
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(
             sd.get("param_groups"), list):
         keys = f" with keys {sorted(map(str, sd))}" if isinstance(sd, dict) else ""
@@ -62,12 +34,12 @@ def check_structure(sd, kind: str) -> None:
     for i, g in enumerate(sd["param_groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("params"), list):
             raise StateDictError(f"param group {i} of the state dict has no 'params' list")
-        missing = [k for k in _GROUP_KEYS[kind] if k not in g]
+        missing = [k for k in algo.group_keys if k not in g]
         if missing:
-            other = next((k for k in _KIND_NAMES if k != kind and all(key in g for key in _GROUP_KEYS[k])), None)
-            hint = f": it looks like {_KIND_NAMES[other]} state" if other else ""
+            other = registry.resembling(g, type(algo))
+            hint = f": it looks like {other.title} state" if other else ""
             raise StateDictError(f"param group {i} of the state dict lacks {missing}, which "
-                                 f"{_KIND_NAMES[kind]} needs{hint}")
+                                 f"{algo.title} needs{hint}")
 
 
 def merged_groups(opt, saved_groups: list) -> list[dict]:
@@ -108,20 +80,19 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
     ``shape``: the shape each state tensor must have (the parameter's, or a flat local share)."""
     if not isinstance(entry, dict):
         raise StateDictError(f"{where}: the state entry is a {type(entry).__name__}, not a dict")
-    kind = engine.algo.kind
-    foreign = [k for k in _FOREIGN_STATE[kind] if entry.get(k) is not None]
+    algo = engine.algo
+    foreign = [k for k in registry.foreign_state(type(algo)) if entry.get(k) is not None]
     if foreign:
-        raise StateDictError(f"{where} has {foreign}: that is not {_KIND_NAMES[kind]} state (the state dict "
+        raise StateDictError(f"{where} has {foreign}: that is not {algo.title} state (the state dict "
                              "was saved by another kind of optimizer)")
     if not entry:
         return  # a parameter that has not stepped yet
     for name in required:
         if entry.get(name) is None:
-            raise StateDictError(f"{where} lacks {name!r}, which {_KIND_NAMES[kind]} needs")
-    kept = getattr(engine.algo, "kept_names", ())
+            raise StateDictError(f"{where} lacks {name!r}, which {algo.title} needs")
     for name, value in entry.items():
-        if name in kept:  # state kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
-            error = engine.algo.check_kept(name, value, engine.table.params[pid].shape)
+        if name in algo.kept_names:  # kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
+            error = algo.check_kept(name, value, engine.table.params[pid].shape)
             if error is not None:
                 raise StateDictError(f"{where}: {error}")
             continue

@@ -153,8 +153,8 @@ def _checked(target: Target, sd) -> tuple[str | None, tuple]:
 def _check(target: Target, sd):
     """Everything a load needs, validated: the merged param groups and each parameter's saved entry
     (by the parameter's index in ``target.table.params``)."""
-    kind = target.algo.kind
-    checks.check_structure(sd, kind)
+    algo = target.algo
+    checks.check_structure(sd, algo)
     opt = target.opt
     groups = checks.merged_groups(opt, sd["param_groups"])
     checks.check_algorithm(target, groups)
@@ -162,9 +162,7 @@ def _check(target: Target, sd):
     for g, s in zip(opt.param_groups, sd["param_groups"]):
         for p, i in zip(g["params"], s["params"]):
             saved_index[id(p)] = i
-    algo = target.algo
-    required = algo.state_names() + (["step"] if kind == "adam" or getattr(algo, "keeps_step", False) else [])
-    kept = list(getattr(algo, "kept_names", ()))
+    required = algo.state_names() + (["step"] if algo.keeps_step else [])
     group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
     entries = {}
     for pid, p in enumerate(target.table.params):
@@ -172,8 +170,9 @@ def _check(target: Target, sd):
         entry = sd["state"].get(key, {})
         where = f"parameter {key} (shape {tuple(p.shape)})"
         group = groups[group_of[id(p)]]
-        needs = [n for n in required if not hasattr(algo, "group_has") or n == "step" or algo.group_has(n, group)]
-        checks.check_entry(target, pid, where, entry, p.shape, needs + [n for n in kept if algo.kept_needed(n, p)])
+        needs = [n for n in required if n == "step" or algo.group_has(n, group)]
+        checks.check_entry(target, pid, where, entry, p.shape,
+                           needs + [n for n in algo.kept_names if algo.kept_needed(n, p)])
         master = entry.get(MASTER_KEY)
         if master is not None and target.masters[pid]:
             if not torch.equal(master.detach().to(device=p.device, dtype=p.dtype), p.detach()):
@@ -217,7 +216,7 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
     engine.layout.masters_loaded()
     steps = engine.steps
     for i, saved in entries.items():
-        steps[i] = saved_step(engine, saved)
+        steps[i] = engine.algo.saved_count(saved)
         load_kept(engine, i, saved)
     engine.steps = steps
 
@@ -225,12 +224,5 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
 def load_kept(engine, i: int, saved: dict) -> None:
     """Parameter ``i``'s state kept on every rank beside the regions (canonical.kept_entries), from its
     saved entry; a parameter the dict has no state for makes it afresh at its first step."""
-    if getattr(engine.algo, "kept_names", ()):
+    if engine.algo.kept_names:
         engine.algo.load_kept(int(engine.table.pids[i]), saved, engine.ranks.device)
-
-
-def saved_step(engine, saved: dict) -> float:
-    if engine.algo.kind in ("sgd", "muon") and "step" not in saved:  # torch keeps no count for these
-        return 1.0 if saved.get("momentum_buffer") is not None else 0.0
-    step = saved.get("step", 0.0)
-    return float(step.item() if isinstance(step, torch.Tensor) else step)

@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.comm import collectives
+from ..update import registry
 from ..update.codecs import DTYPES, SIGNED, decode
 from . import canonical, checks, loading
 from .checks import MASTER_KEY, StateDictError
@@ -200,7 +201,7 @@ def load_sharded_state_dict(engine, sd) -> None:
 
 
 def _check(engine, sd):
-    kind = engine.algo.kind
+    algo = engine.algo
     meta = sd.get("fused_zero") if isinstance(sd, dict) else None
     if not (isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[1], dict)):
         raise StateDictError("not a fused_zero sharded state dict (no 'fused_zero' entry)")
@@ -210,11 +211,11 @@ def _check(engine, sd):
         raise StateDictError(f"the checkpoint is fused_zero's DCP format {version}, this version reads formats "
                              f"{', '.join(map(str, READS))}: load it with the fused_zero that saved it and save "
                              "it as the canonical state_dict(), which loads at any version")
-    checks.check_structure({"state": sd.get("state"), "param_groups": groups}, kind)
+    checks.check_structure({"state": sd.get("state"), "param_groups": groups}, algo)
     mine = _describe(engine)
-    if saved["kind"] != kind:
-        raise StateDictError(f"the checkpoint holds {checks._KIND_NAMES.get(saved['kind'], saved['kind'])} "
-                             f"state, this optimizer is {checks._KIND_NAMES[kind]}")
+    if registry.KINDS.get(saved["kind"]) is not type(algo):
+        raise StateDictError(f"the checkpoint holds {registry.title_of(saved['kind'])} state, this optimizer is "
+                             f"{algo.title}")
     for i, shape in mine["shapes"].items():
         if saved["shapes"].get(i) != shape:
             raise StateDictError(f"parameter {i} has shape {tuple(shape)}, the checkpoint's "
@@ -255,7 +256,7 @@ def _check(engine, sd):
                 if not torch.equal(flat.to(p.dtype), params):
                     raise StateDictError(f"{where}: its {MASTER_KEY!r} does not round to the parameter; load "
                                          "the model's weights before the optimizer's state")
-        for name in getattr(engine.algo, "kept_names", ()):
+        for name in algo.kept_names:
             if name in entry:
                 local[name] = entry[name]
         required = [_state_key(n) for n in engine.layout.names(shard)] + ["step"]

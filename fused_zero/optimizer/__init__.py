@@ -8,19 +8,20 @@ options shared by all, described once, in ``options.OPTIONS`` (ShardingOptions' 
 sharded (in one process without DDP, the plain module: pipeline/local.py), or left out for
 ``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
 fields. Several may share one DDP module, each with parameters of its own (sharing.py).
+
+Which optimizers there are is update/registry.py's list: ``OPTIMIZERS`` (and ``__all__``, and the
+package's own) maps each declared name to its class, written out here, or made from torch's signature
+(twins.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..update.algorithms import AdamFamily, SGDAlgorithm
-from ..update.muon import MuonAlgorithm
+from ..update import adam, muon, registry, sgd
+from . import twins
 from .base import _ShardedOptimizer
-from .twins import ASGD, NO_TWIN, TWINS, Adadelta, Adafactor, Adagrad, Adamax, NAdam, RAdam, RMSprop, Rprop
-
-__all__ = ["ASGD", "Adafactor", "NO_TWIN", "TWINS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Muon",
-           "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "_ShardedOptimizer"]
+from .twins import NO_TWIN, TWINS
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
 _TORCH_FLAGS = dict(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -39,13 +40,13 @@ class AdamW(_ShardedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  ddp=None, **options):
-        checked = _torch_checked(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        checked = _torch_checked(adam.ADAMW.torch_class, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                                  differentiable=differentiable, fused=fused)
         defaults = dict(lr=lr, betas=checked["betas"], eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=True, **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=True), options,
+        self._start(ddp, adam.ADAMW.algorithm(self.param_groups, self.defaults), options,
                     capturable=capturable, differentiable=differentiable)
 
 
@@ -55,7 +56,7 @@ class Adam(_ShardedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, ddp=None, **options):
-        checked = _torch_checked(torch.optim.Adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        checked = _torch_checked(adam.ADAM.torch_class, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  amsgrad=amsgrad, foreach=foreach, maximize=maximize, capturable=capturable,
                                  differentiable=differentiable, fused=fused,
                                  decoupled_weight_decay=decoupled_weight_decay)
@@ -63,7 +64,7 @@ class Adam(_ShardedOptimizer):
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
                         **{**_TORCH_FLAGS, "capturable": capturable})
         super().__init__(params, defaults)
-        self._start(ddp, AdamFamily(self.param_groups, decoupled_default=decoupled_weight_decay), options,
+        self._start(ddp, adam.ADAM.algorithm(self.param_groups, self.defaults), options,
                     capturable=capturable, differentiable=differentiable)
 
 
@@ -72,13 +73,13 @@ class SGD(_ShardedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, ddp=None, **options):
-        _torch_checked(torch.optim.SGD, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        _torch_checked(sgd.SGD.torch_class, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                        fused=fused)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
         super().__init__(params, defaults)
-        self._start(ddp, SGDAlgorithm(self.param_groups), options, differentiable=differentiable)
+        self._start(ddp, sgd.SGD.algorithm(self.param_groups, self.defaults), options, differentiable=differentiable)
 
 
 class Muon(_ShardedOptimizer):
@@ -89,11 +90,22 @@ class Muon(_ShardedOptimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  ddp=None, **options):
-        _torch_checked(torch.optim.Muon, (1, 1), lr=lr, weight_decay=weight_decay, momentum=momentum,
+        _torch_checked(muon.MUON.torch_class, (1, 1), lr=lr, weight_decay=weight_decay, momentum=momentum,
                        nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                        adjust_lr_fn=adjust_lr_fn)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
-        MuonAlgorithm.check_options(options)
-        self._start(ddp, MuonAlgorithm(self.param_groups), options)
+        muon.MuonAlgorithm.check_options(options)
+        self._start(ddp, muon.MUON.algorithm(self.param_groups, self.defaults), options)
+
+
+_WRITTEN = {cls.__name__: cls for cls in (AdamW, Adam, SGD, Muon)}
+
+OPTIMIZERS: dict[str, type[_ShardedOptimizer]] = {
+    d.name: twins.CLASSES[d.name] if d.generic else _WRITTEN[d.name] for d in registry.DECLARATIONS}
+"""Every fused_zero optimizer class, by name, in the registry's order (update/registry.py)."""
+
+globals().update(OPTIMIZERS)
+
+__all__ = [*OPTIMIZERS, "NO_TWIN", "OPTIMIZERS", "TWINS", "_ShardedOptimizer"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..update.interface import Algorithm
 from .buckets import rebuild
 from .step_end.amp import ScalerLink
 
@@ -34,7 +35,7 @@ class Member:
     Attributes:
         index: its position among the engine's members (the order they attached in).
         opt: the optimizer (its ``param_groups`` are read at every step).
-        algo: its algorithm (update/algorithms.py, update/muon.py).
+        algo: its algorithm (update/interface.Algorithm: what the engine asks of it).
         pids: the engine's indices of its parameters, in its own order.
         group_formats: each of its param groups' state format.
         scaler: its link to the user's GradScaler (GradScaler keeps a state per optimizer), or None.
@@ -42,7 +43,7 @@ class Member:
 
     index: int
     opt: object
-    algo: object
+    algo: Algorithm
     pids: np.ndarray
     group_formats: list[str]
     scaler: ScalerLink | None = None

@@ -1,2 +1,3 @@
-"""The update maths beside the kernels: what differs between Adam(W) and SGD (state, checks, the
-per-parameter coefficients) and the same update written with torch's own CPU ops."""
+"""The update maths beside the kernels: each optimizer's algorithm (its state, checks, per-parameter
+coefficients and update) behind one interface (interface.py), declared once and listed in registry.py,
+and the same updates written with torch's own ops."""

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from .elementwise import ElementwiseAlgorithm, Spec
+from .elementwise import ElementwiseAlgorithm, Spec, declaration
+from .interface import Algorithm, Runs
 
 SPEC = Spec("Adafactor", "_adafactor", function_name="adafactor",
             lists={"row_vars": "row_var", "col_vars": "col_var", "variances": "variance", "state_steps": "step"},
-            renames={"eps1": lambda g: g["eps"][0], "eps2": lambda g: g["eps"][1]}, moments=False)
+            renames={"eps1": lambda g: g["eps"][0], "eps2": lambda g: g["eps"][1]}, moments=False,
+            test=dict(lr=1e-2, weight_decay=0.01), bench=dict(lr=1e-2))
 
 
 def _kept_shapes(shape: torch.Size) -> dict[str, list[int]]:
@@ -42,11 +44,13 @@ def _kept_shapes(shape: torch.Size) -> dict[str, list[int]]:
 class AdafactorAlgorithm(ElementwiseAlgorithm):
     """Adafactor (module docstring): updates in a phase of its own, with collectives, on every rank."""
 
-    phased = "whole_params"
+    spec = SPEC
+    runs = Runs.WHOLE_PARAMS
+    kept_names = ("row_var", "col_var", "variance")
 
     def __init__(self, param_groups: list[dict], defaults: dict):
-        super().__init__(SPEC, param_groups, defaults)
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # engine pid -> its factored statistics
+        super().__init__(param_groups, defaults)
 
     def check_group(self, group: dict, i: int) -> None:
         """torch.optim.Adafactor refuses a complex parameter at its first step; here at once, in its words
@@ -56,10 +60,6 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
 
     def state_names(self) -> list[str]:
         return []  # nothing region-shaped: the statistics are per row and column (``kept``)
-
-    @property
-    def kept_names(self) -> tuple[str, ...]:
-        return ("row_var", "col_var", "variance")
 
     def kept_needed(self, name: str, param) -> bool:
         return name in _kept_shapes(param.shape)
@@ -113,9 +113,7 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
             raise ValueError(f"{where}: stochastic_rounding is not supported for Adafactor; keep fp32 master "
                              "weights (master_weights=True) for low-precision parameters instead")
 
-    def update(self, backend, rows, segments, coefs, args) -> None:
-        raise RuntimeError("Adafactor updates whole parameters in a phase of its own "
-                           "(pipeline/updating/whole_params.py)")
+    update = Algorithm.update  # whole parameters, in its own phase: a launch is refused (interface.py)
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], pids: list[int], steps: list[float],
              group: dict) -> None:
@@ -183,4 +181,8 @@ def device_step(param: torch.Tensor, grad: torch.Tensor, kept: dict[str, torch.T
     param.addcmul_(update, alpha.neg().div(denom).float())
 
 
-__all__ = ["SPEC", "AdafactorAlgorithm", "device_step"]
+ADAFACTOR = declaration(SPEC, AdafactorAlgorithm,
+                        "row_var, col_var of a matrix, variance of a vector; step: on every rank", "-",
+                        "torch's own update on each parameter whole, on every rank")
+
+__all__ = ["ADAFACTOR", "SPEC", "AdafactorAlgorithm", "device_step"]

@@ -1,5 +1,5 @@
-"""torch.optim's elementwise optimizers (Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop)
-over a rank's element slices of the buckets, by torch's own update functions.
+"""torch.optim's elementwise optimizers (``SPECS``: Adagrad, RMSprop and the others) over a rank's element
+slices of the buckets, by torch's own update functions; each declared by its ``Spec`` alone.
 
 Each of these updates every element of a parameter from that element's gradient and state alone, with
 scalars that depend on the parameter (its step count, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``)
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from . import elementwise_calls as calls
-from .algorithms import Algorithm
 from .elementwise_calls import COLUMNS, _lr
+from .interface import Algorithm, Declaration
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,11 @@ class Spec:
     ``optional``: state names a param group has only under a condition (RMSprop's momentum buffer and
     centered average). ``moments``: every state tensor is a running moment, which the compact formats
     can hold (bf16); ``at_construction``: torch makes the state when the optimizer is built (Adagrad),
-    so a parameter that never stepped has it.
+    so a parameter that never stepped has it. ``test``, ``bench`` and ``constructor_only``: the
+    hyperparameters of its ``Declaration`` (interface.py).
+
+    A Spec in ``SPECS`` is the whole of a twin: its algorithm, its public class (optimizer/twins.py), its
+    checkpoint facts and its tests and benchmarks are made from it (docs/design-optimizers.md).
     """
 
     name: str
@@ -75,10 +79,9 @@ class Spec:
     at_construction: bool = False
     scalars_first: bool = False  # torch makes the scalars before the tensors (its state dict's order)
     function_name: str = ""  # the functional's name in its module, where it is not the module's
-
-    @property
-    def kind(self) -> str:
-        return self.name.lower()
+    test: dict = field(default_factory=dict)
+    bench: dict | None = None
+    constructor_only: tuple[str, ...] = ()
 
     @property
     def torch_class(self) -> type:
@@ -105,27 +108,38 @@ def _betas(i: int):
 
 SPECS = {spec.name: spec for spec in (
     Spec("Adagrad", "adagrad", {"state_sums": "sum", "state_steps": "step"},
-         initial={"sum": lambda g, d: d["initial_accumulator_value"]}, at_construction=True),
-    Spec("Adadelta", "adadelta", {"square_avgs": "square_avg", "acc_deltas": "acc_delta", "state_steps": "step"}),
+         initial={"sum": lambda g, d: d["initial_accumulator_value"]}, at_construction=True,
+         test=dict(lr=5e-2, lr_decay=1e-3, weight_decay=0.01, initial_accumulator_value=0.1), bench=dict(lr=1e-2),
+         constructor_only=("initial_accumulator_value",)),
+    Spec("Adadelta", "adadelta", {"square_avgs": "square_avg", "acc_deltas": "acc_delta", "state_steps": "step"},
+         test=dict(lr=1.0, rho=0.9, weight_decay=0.01), bench=dict(lr=1.0)),
     Spec("Adamax", "adamax", {"exp_avgs": "exp_avg", "exp_infs": "exp_inf", "state_steps": "step"},
-         renames={"beta1": _betas(0), "beta2": _betas(1)}),
+         renames={"beta1": _betas(0), "beta2": _betas(1)}, test=dict(lr=1e-2, weight_decay=0.01),
+         bench=dict(lr=2e-3)),
     Spec("ASGD", "asgd", {"axs": "ax", "mus": "mu", "etas": "eta", "state_steps": "step"}, scalars=("eta", "mu"),
-         initial={"eta": lambda g, d: g["lr"], "mu": lambda g, d: 1.0}, moments=False, scalars_first=True),
+         initial={"eta": lambda g, d: g["lr"], "mu": lambda g, d: 1.0}, moments=False, scalars_first=True,
+         test=dict(lr=5e-2, lambd=1e-3, t0=3, weight_decay=0.01), bench=dict(lr=1e-2)),
     Spec("NAdam", "nadam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "mu_products": "mu_product",
                             "state_steps": "step"}, scalars=("mu_product",),
          renames={"beta1": _betas(0), "beta2": _betas(1)}, initial={"mu_product": lambda g, d: 1.0},
-         scalars_first=True),
+         scalars_first=True, test=dict(lr=1e-2, weight_decay=0.01, momentum_decay=4e-3), bench=dict(lr=2e-3)),
     Spec("RAdam", "radam", {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "state_steps": "step"},
-         renames={"beta1": _betas(0), "beta2": _betas(1)}),
+         renames={"beta1": _betas(0), "beta2": _betas(1)}, test=dict(lr=1e-2, weight_decay=0.01),
+         bench=dict(lr=1e-3)),
     Spec("RMSprop", "rmsprop", {"square_avgs": "square_avg", "momentum_buffer_list": "momentum_buffer",
                                 "grad_avgs": "grad_avg", "state_steps": "step"},
-         optional={"momentum_buffer": lambda g: g["momentum"] > 0, "grad_avg": lambda g: bool(g["centered"])}),
+         optional={"momentum_buffer": lambda g: g["momentum"] > 0, "grad_avg": lambda g: bool(g["centered"])},
+         test=dict(lr=1e-3, momentum=0.9, centered=True, weight_decay=0.01), bench=dict(lr=1e-3, momentum=0.9)),
     Spec("Rprop", "rprop", {"prevs": "prev", "step_sizes": "step_size", "state_steps": "step"},
          renames={"etaminus": lambda g: g["etas"][0], "etaplus": lambda g: g["etas"][1],
                   "step_size_min": lambda g: g["step_sizes"][0], "step_size_max": lambda g: g["step_sizes"][1]},
-         initial={"step_size": lambda g, d: g["lr"]}, moments=False),
+         initial={"step_size": lambda g, d: g["lr"]}, moments=False, test=dict(lr=1e-2), bench=dict(lr=1e-3)),
 )}
 """Every torch.optim optimizer whose update is elementwise, by class name."""
+
+_FLAGS = {"foreach", "maximize", "capturable", "differentiable", "fused"}
+"""torch's constructor arguments that choose its implementation, not its update's hyperparameters (the
+other arguments are the group keys of its state dict, checkpoint/checks.py)."""
 
 _FIXED = {"grad_scale": None, "found_inf": None, "has_complex": False, "has_sparse_grad": False,
           "differentiable": False, "capturable": False}
@@ -136,19 +150,31 @@ device tensors: ``ElementwiseAlgorithm.keywords``)."""
 
 
 class ElementwiseAlgorithm(Algorithm):
-    """One of ``SPECS`` over the engine's rows (module docstring)."""
+    """A ``Spec`` over the engine's rows (module docstring): each twin's algorithm is a subclass naming
+    its ``spec`` (``algorithm_of``), whose facts (interface.Algorithm's class members) are the Spec's."""
 
-    def __init__(self, spec: Spec, param_groups: list[dict], defaults: dict):
-        self.spec, self.defaults = spec, defaults
-        self.kind = spec.kind
-        signature = inspect.signature(spec.function).parameters
-        self._keywords = [n for n in signature if n not in ("params", "grads") and n not in spec.lists]
-        self.scalars: dict[str, dict[int, torch.Tensor]] = {name: {} for name in spec.scalars}
-        super().__init__(param_groups)
+    spec: Spec
+
+    def __init_subclass__(cls, **kwargs):
+        """The declared facts of ``cls.spec``, where the subclass does not declare its own."""
+        super().__init_subclass__(**kwargs)
+        spec = cls.spec
+        signature = inspect.signature(spec.torch_class.__init__).parameters
+        facts = dict(kind=spec.name.lower(), title=spec.name, state_keys=spec.state + spec.scalars,
+                     group_keys=tuple(k for k in signature if k not in ("self", "params") and k not in _FLAGS),
+                     state_order=spec.order, kept_names=spec.scalars, finishes=bool(spec.scalars))
+        for name, value in facts.items():
+            if name not in cls.__dict__:
+                setattr(cls, name, value)
+
+    def __init__(self, param_groups: list[dict], defaults: dict):
+        self.defaults = defaults
+        signature = inspect.signature(self.spec.function).parameters
+        self._keywords = [n for n in signature if n not in ("params", "grads") and n not in self.spec.lists]
+        self.scalars: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.spec.scalars}
+        super().__init__(param_groups, defaults)
 
     # -- what the engine and the checkpoints ask ------------------------------------------------------
-
-    keeps_step = True
 
     def check_group(self, group: dict, i: int) -> None:
         """torch.optim.<Name> checks its arguments when it is built (optimizer/twins.py runs its own
@@ -183,18 +209,9 @@ class ElementwiseAlgorithm(Algorithm):
                                    device=device)
         return kept[pid]
 
-    @property
-    def kept_names(self) -> tuple[str, ...]:
-        """The per-parameter state kept on every rank, beside the regions (checkpoint/ reads it)."""
-        return self.spec.scalars
-
     def kept_entries(self, pid: int, group: dict, device) -> dict[str, torch.Tensor]:
         """Engine parameter ``pid``'s kept state, as torch.optim's state dict holds it."""
         return {name: self.scalar(pid, name, group, device) for name in self.spec.scalars}
-
-    def kept_needed(self, name: str, param) -> bool:
-        """Whether a stepped parameter's saved entry must hold kept state ``name``."""
-        return True
 
     def check_kept(self, name: str, value, shape) -> str | None:
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
@@ -239,9 +256,6 @@ class ElementwiseAlgorithm(Algorithm):
     def _fill(self, table, inputs, after, scratch) -> None:
         table[:, COLUMNS.index("step")] = after
 
-    def compile(self, backend, rows, segments, coefs, args) -> None:
-        """Nothing to compile: torch's own ops."""
-
     # -- the update (elementwise_calls.py) -------------------------------------------------------------
 
     def update(self, backend, rows, segments, coefs, args) -> None:
@@ -253,7 +267,7 @@ class ElementwiseAlgorithm(Algorithm):
         """Advance the kept scalars of ``pids`` (the member's parameters of the buckets just updated,
         every rank's same list) whose row is active, unless the step was skipped: torch's function over
         empty tensors, so that each rank holds every parameter's values (module docstring)."""
-        if self.spec.scalars:
+        if self.finishes:
             (calls.finish_on_device if args.asynchronous else calls.finish_on_host)(self, pids, table, args)
 
     def keywords(self, group: dict, device_counts: bool = False) -> dict:
@@ -277,4 +291,26 @@ class ElementwiseAlgorithm(Algorithm):
         return out
 
 
-__all__ = ["COLUMNS", "SPECS", "ElementwiseAlgorithm", "Spec"]
+def algorithm_of(spec: Spec) -> type[ElementwiseAlgorithm]:
+    """The twin's algorithm: ``ElementwiseAlgorithm`` over ``spec``."""
+    return type(f"{spec.name}Algorithm", (ElementwiseAlgorithm,), {"spec": spec, "__module__": __name__})
+
+
+def declaration(spec: Spec, algorithm: type[ElementwiseAlgorithm], state: str | None = None,
+                compact: str | None = None, how: str = "torch's own update function over the rank's slices"
+                ) -> Declaration:
+    """The public optimizer of a Spec (its table row in words, from the Spec where not given)."""
+    if state is None:
+        state = ", ".join(n for n in spec.state if n not in spec.optional) + (
+            f" (+ {', '.join(spec.optional)} where the group's momentum / centered ask)" if spec.optional else "")
+        state += f"; step, {', '.join(spec.scalars)} on every rank" if spec.scalars else "; step"
+    return Declaration(spec.name, spec.torch_class, algorithm, state, compact or ("bf16" if spec.moments else "-"),
+                       how, generic=True, test=spec.test, bench=spec.bench, constructor_only=spec.constructor_only)
+
+
+DECLARATIONS = tuple(declaration(spec, algorithm_of(spec)) for spec in SPECS.values())
+"""The twins of torch.optim's elementwise optimizers, in ``SPECS``' order."""
+
+globals().update({d.algorithm.__name__: d.algorithm for d in DECLARATIONS})  # importable by name (pickle)
+
+__all__ = ["COLUMNS", "DECLARATIONS", "SPECS", "ElementwiseAlgorithm", "Spec", "algorithm_of", "declaration"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import muon
+from . import gradients
 from .torch_ops import _Moments, working_weights
 
 COLUMNS = ("active", "grad_div", "step")
@@ -21,7 +21,7 @@ def update_on_host(algo, rows, coefs, args) -> None:
     if _skipped(args):
         return
     table = coefs.tolist()
-    inv = muon.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
+    inv = gradients.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
     master = args.state.get("master")
     calls: dict[int, _Call] = {}
     for so, n, po, go, pid in _runs(rows):
@@ -41,7 +41,7 @@ def update_on_host(algo, rows, coefs, args) -> None:
                 moments.put(name, moments.get(name).fill_(algo.fresh(name, hp)))
             states[name] = moments.get(name)
         scalars = {name: algo.scalar(pid, name, hp, p.device).clone() for name in algo.spec.scalars}
-        grad = muon.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
+        grad = gradients.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
         call.add(p, grad, states, scalars, torch.tensor(c[2] - 1, dtype=torch.float32), (moments, states, po, p))
     for call in calls.values():
         call.run(algo.spec.function, algo.keywords(call.group))
@@ -62,7 +62,7 @@ def update_on_device(algo, rows, coefs, args) -> None:
         return
     keep = written(coefs, args.found_inf)
     first = coefs[:, COLUMNS.index("step")] == 1
-    inv = muon.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
+    inv = gradients.inverse_scale(args.grad_scale) if args.grad_scale is not None else None
     master = args.state.get("master")
     steps = counts_before(coefs, [run[4] for run in runs])
     calls: dict[int, _Call] = {}
@@ -77,7 +77,7 @@ def update_on_device(algo, rows, coefs, args) -> None:
             if algo.group_has(name, hp):
                 was[name] = moments.get(name)
                 states[name] = torch.where(first[pid], algo.fresh(name, hp), was[name])
-        grad = muon.gradient(args.grad[go:go + n], float(args.grad_div[pid]), inv, args.clip_coef)
+        grad = gradients.gradient(args.grad[go:go + n], float(args.grad_div[pid]), inv, args.clip_coef)
         call.add(held.clone(), grad, states, scalars, steps[k], (moments, was, states, po, held, pid))
     for call in calls.values():
         call.run(algo.spec.function, algo.keywords(call.group, device_counts=True))

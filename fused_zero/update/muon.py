@@ -17,7 +17,8 @@ import torch
 
 from ..kernels import sgd_coefficients
 from . import step_columns
-from .algorithms import Algorithm, _per_param, check_scalar
+from .algorithms import check_scalar, count_without_step, per_param
+from .interface import Algorithm, Declaration, Runs
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (
     ("spectral_unclamped",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14) else ())
@@ -27,10 +28,15 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (
 class MuonAlgorithm(Algorithm):
     """Muon over 2-D parameters. Its coefficient table is SGD's layout (the norm pass reads only the
     ``active`` and ``grad_div`` columns); its update runs in phases with collectives between
-    (``phased``), driven by pipeline/updating/whole_matrix.py with the param groups' host values."""
+    (``Runs.WHOLE_MATRIX``), driven by pipeline/updating/whole_matrix.py with the param groups' host
+    values."""
 
     kind = "muon"
-    phased = True
+    title = "Muon"
+    runs = Runs.WHOLE_MATRIX
+    group_keys = ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients", "ns_steps")
+    state_keys = ("momentum_buffer",)
+    keeps_step = False
 
     def check_group(self, group: dict, i: int) -> None:
         """torch.optim.Muon's constructor has checked the defaults (optimizer/__init__.py runs it), and its
@@ -63,6 +69,9 @@ class MuonAlgorithm(Algorithm):
     def state_names(self) -> list[str]:
         return ["momentum_buffer"]
 
+    def saved_count(self, saved: dict) -> float:
+        return count_without_step(saved)
+
     @staticmethod
     def check_options(options: dict, where: str = "Muon") -> None:
         """The momentum is kept in fp32, the parameters rounded to nearest: Muon's state is one buffer,
@@ -82,7 +91,7 @@ class MuonAlgorithm(Algorithm):
                             "stochastic_rounding": engine.options.stochastic_rounding}, member.name)
 
     def coefficients(self, groups, group_idx, active, grad_div) -> torch.Tensor:
-        pick = _per_param(groups, group_idx)
+        pick = per_param(groups, group_idx)
         return sgd_coefficients(lr=pick(lambda g: g["lr"]), momentum=pick(lambda g: g["momentum"]),
                                 dampening=np.zeros(len(group_idx)), weight_decay=pick(lambda g: g["weight_decay"]),
                                 first=True, grad_div=grad_div, active=active)
@@ -90,31 +99,6 @@ class MuonAlgorithm(Algorithm):
     def _fill(self, table, inputs, after, scratch) -> None:
         step_columns.fill_sgd(table, after, scratch)
 
-    def compile(self, backend, rows, segments, coefs, args) -> None:
-        """Nothing to compile: the phases are torch ops."""
-
-    def update(self, backend, rows, segments, coefs, args) -> None:
-        raise RuntimeError("Muon updates in phases (pipeline/updating/whole_matrix.py), not in one launch")
-
-
-def gradient(grad: torch.Tensor, grad_div: float, inv_scale: torch.Tensor | None,
-             clip_coef: torch.Tensor | None) -> torch.Tensor:
-    """A piece of the reduced gradient as torch.optim.Muon reads ``p.grad``: DDP's average, unscaled
-    as GradScaler.unscale_ unscales (a multiplication by the fp32 reciprocal: Muon has no fused step
-    for the scaler to hand its scale to), clipped as clip_grad_norm_ clips. Always a new fp32 tensor."""
-    g = grad.to(torch.float32, copy=True)
-    if grad_div != 1.0:
-        g.div_(grad_div)
-    if inv_scale is not None:
-        g.mul_(inv_scale)
-    if clip_coef is not None:
-        g.mul_(clip_coef.to(torch.float32))
-    return g
-
-
-def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
-    """GradScaler.unscale_'s factor: the fp32 reciprocal of the scale, taken in float64."""
-    return grad_scale.double().reciprocal().float()
 
 
 def momentum_update(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool,
@@ -173,3 +157,10 @@ def ns_flops(shape, ns_steps: int) -> int:
     Gram matrix (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m the smaller side."""
     m, n = sorted(int(s) for s in shape[:2])
     return max(ns_steps, 0) * (4 * m * m * n + 2 * m ** 3)
+
+
+MUON = Declaration("Muon", torch.optim.Muon, MuonAlgorithm, "momentum_buffer", "-",
+                   "Newton-Schulz once per matrix, on its owner rank", test=dict(lr=2e-2, weight_decay=0.1))
+
+__all__ = ["ADJUST_LR_FNS", "MUON", "MuonAlgorithm", "adjusted_lr", "apply", "momentum_update", "newton_schulz",
+           "ns_flops"]

@@ -124,8 +124,9 @@ def working_weights(master: torch.Tensor | None, so: int, param: torch.Tensor, p
     return p if p.dtype == torch.float32 else p.float()
 
 
-def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad: bool = False,
-          nesterov: bool = False) -> None:
+def apply(row, rows, coefs: torch.Tensor, args) -> None:
+    """One launch on the torch backend: ``row(args, c, p, moments, n, go)`` (``adam_row``, ``sgd_row``, with
+    the algorithm's flags) over each active run of ``rows``, its weights rounded back into the parameters."""
     if args.found_inf is not None and float(args.found_inf) != 0.0:
         return
     table = coefs.tolist()
@@ -140,10 +141,7 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
             continue
         p = working_weights(master, so, args.param, po, n)
         moments = _Moments(args, so, n, first, k)
-        if kind == "adam":
-            _adam_row(args, c, p, moments, n, go, maximize, amsgrad)
-        else:
-            _sgd_row(args, c, p, moments, n, go, maximize, nesterov)
+        row(args, c, p, moments, n, go)
         if args.stochastic:
             args.param[po:po + n].copy_(round_stochastic(
                 p, int(keys[pid]), torch.arange(elem, elem + n, dtype=torch.int64, device=p.device)))
@@ -151,7 +149,7 @@ def apply(kind: str, rows, coefs: torch.Tensor, args, *, maximize: bool, amsgrad
             args.param[po:po + n].copy_(p)
 
 
-def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
+def adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     """torch.optim's single-tensor Adam/AdamW, op for op, with its temporaries reused: the L2 term
     added in place into a gradient of its own, the denominator computed into that gradient's memory
     once the moments no longer read it, and divided in place (torch's ``v.sqrt() / bc`` writes a
@@ -181,9 +179,9 @@ def _adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     moments.put("exp_avg_sq", v)
 
 
-def _sgd_row(args, c, p, moments, n, go, maximize, nesterov):
+def sgd_row(args, c, p, moments, n, go, maximize, nesterov):
     g, owned = _grad(args, go, n, c[_SGD["grad_div"]], maximize)
-    if c[_SGD["weight_decay"]] != 0.0:  # in place into a gradient of its own (see _adam_row)
+    if c[_SGD["weight_decay"]] != 0.0:  # in place into a gradient of its own (see adam_row)
         g, owned = _add(g, owned, p, c[_SGD["weight_decay"]])
     if "momentum_buffer" in args.state:
         buf = moments.get("momentum_buffer")

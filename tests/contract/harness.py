@@ -22,9 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 
-HP = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "Adam": dict(lr=1e-2, weight_decay=0.05),
-      "SGD": dict(lr=5e-2, momentum=0.9, weight_decay=0.01), "Muon": dict(lr=2e-2, weight_decay=0.1)}
-HP.update({k: v for k, v in DEFAULT_HPARAMS.items() if k not in HP})  # torch.optim's elementwise twins
+HP = DEFAULT_HPARAMS  # each optimizer's, as it declares them (fused_zero/update/registry.py)
 
 
 @dataclass

@@ -8,7 +8,8 @@ import torch
 
 from fused_zero.kernels import adam_coefficients, sgd_coefficients, sr_key
 from fused_zero.pipeline.comm.scratch import Scratch
-from fused_zero.update.algorithms import AdamFamily, SGDAlgorithm
+from fused_zero.update.adam import AdamFamily
+from fused_zero.update.sgd import SGDAlgorithm
 from fused_zero.update.step_columns import saturation
 
 
@@ -57,7 +58,7 @@ def test_adam_columns_are_the_host_formulas_at_every_count():
     groups = _groups_adam()
     n = len(COUNTS)
     group_of = np.arange(n, dtype=np.int64) % len(groups)
-    algo = AdamFamily(groups, decoupled_default=True)
+    algo = AdamFamily(groups, {"decoupled_weight_decay": True})
     for grow in (False, True):  # a table sized for the bound at once, or grown step by step up to it
         if grow:
             for bound in (1, 40, 100, 2000):
@@ -76,7 +77,7 @@ def test_sgd_first_step_column():
               dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)]
     counts = [0, 1, 5, 0, 1, 5]
     group_of = np.array([0, 0, 0, 1, 1, 1], dtype=np.int64)
-    got = _table(SGDAlgorithm(groups), groups, group_of, counts)
+    got = _table(SGDAlgorithm(groups, {}), groups, group_of, counts)
     want = sgd_coefficients(lr=0.1, momentum=np.array([0.9] * 3 + [0.0] * 3), dampening=0.0, weight_decay=0.0,
                             first=np.array([1, 0, 0, 1, 1, 1]))
     assert torch.equal(got, want)
@@ -87,7 +88,7 @@ def test_stochastic_rounding_keys_are_the_host_hash():
     counts = [0, 1, 2 ** 31 - 2, 2 ** 32 + 5, 12345]
     group_of = np.zeros(len(counts), dtype=np.int64)
     for seed in (0, 7, 2 ** 32 - 1):
-        got = _table(AdamFamily(groups, decoupled_default=True), groups, group_of, counts, seed=seed)
+        got = _table(AdamFamily(groups, {"decoupled_weight_decay": True}), groups, group_of, counts, seed=seed)
         want = [sr_key(seed, c + 1, pid) for pid, c in enumerate(counts)]
         assert got[:, -1].contiguous().view(torch.int32).tolist() == \
             [k - (1 << 32) if k >= 1 << 31 else k for k in want]
@@ -99,7 +100,7 @@ def test_a_graph_s_bias_table_holds_beta2_0999_to_saturation_at_once():
     groups = _groups_adam()[:1]
     group_of = np.zeros(3, dtype=np.int64)
     for kept, length in ((True, saturation(0.999)), (False, 32)):
-        algo, scratch = AdamFamily(groups, decoupled_default=True), Scratch(torch.device("cpu"), kept=kept)
+        algo, scratch = AdamFamily(groups, {"decoupled_weight_decay": True}), Scratch(torch.device("cpu"), kept=kept)
         inputs = algo.step_inputs(groups, group_of, 1, torch.from_numpy(group_of),
                                   _upload, scratch)
         assert inputs[3] == length, (kept, inputs[3])

@@ -1,10 +1,10 @@
-"""fused_zero's twins of torch.optim's elementwise optimizers (Adagrad, Adadelta, Adamax, ASGD, NAdam,
-RAdam, RMSprop, Rprop: optimizer/twins.py) and of Adafactor (whole parameters on every rank:
-pipeline/updating/whole_params.py) against DDP + torch.optim.<Name>, single-tensor, on the same
-data (scenarios.py): every parameter of every rank after every step, two param groups and an lr
-schedule, in every overlap x grad_reduce mode; at the end each one's state dict, tensor for tensor.
-Each optimizer runs with the options that change its update (scenarios.DEFAULT_HPARAMS: weight decay,
-RMSprop's momentum and centering, Adagrad's lr decay and start value, ASGD's averaging from step 3).
+"""fused_zero's twins of torch.optim's elementwise optimizers (every Spec of update/elementwise.py: its
+TWINS) and of Adafactor (whole parameters on every rank: pipeline/updating/whole_params.py) against
+DDP + torch.optim.<Name>, single-tensor, on the same data (scenarios.py): every parameter of every rank
+after every step, two param groups and an lr schedule, in every overlap x grad_reduce mode; at the end
+each one's state dict, tensor for tensor. Each optimizer runs with the options that change its update
+(the test hyperparameters its Spec declares, scenarios.DEFAULT_HPARAMS: weight decay, RMSprop's
+momentum and centering, Adagrad's lr decay and start value, ASGD's averaging from step 3).
 Bit for bit at 2 ranks and at 4 with shard groups; at 3 ranks within the parity tests' tolerance, as
 AdamW (DDP divides the gradients by 3 before summing them, fused_zero after: scenarios._exact).
 

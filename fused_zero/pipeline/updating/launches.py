@@ -67,7 +67,7 @@ def launch_units(engine, coefficients, it, items: list[Reduced], coefs: list, me
     step's CoefficientTables (tables.py), ``coefs`` the tables each item's update reads."""
     e = engine
     single = e.single
-    phased = {m.index for m in e.members if m.algo.phased}
+    phased = {m.index for m in e.members if m.algo.runs.phased}
     launches = single.for_step([item.shard for item in items], skip=phased) if single else None
     tables = _one_table(e, coefficients, it, items, coefs, members) if launches is not None else None
     if tables is None:

@@ -1,5 +1,5 @@
 """The coefficient tables of a step: one per member, one row per parameter of the engine, on the
-update's device. Built in two halves (update/algorithms.py): the host's columns and the step columns'
+update's device. Built in two halves (update/interface.py): the host's columns and the step columns'
 inputs uploaded when the table is made (``build``), the step columns written from the device's counts by
 the device work that reads the table (``fill_steps``), so that work reads device memory only and a CUDA
 graph can hold it (step_graph.py). A part of the updates' stage (updates.py)."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ...update.algorithms import UpdateArgs
+from ...update.interface import Runs
 from ..buckets.shard import BucketShard
 from ..buckets.topology import post_update_groups
 from ..comm.profiling import range_push
@@ -48,9 +49,9 @@ class Updates:
 
     def _whole(self, member) -> WholeMatrix | WholeParams:
         """The phased member's runner: Muon's matrices on their owners, or Adafactor's whole parameters on
-        every rank (``algo.phased`` says which)."""
+        every rank (``algo.runs`` says which)."""
         if member.index not in self._whole_matrix:
-            runner = WholeParams if member.algo.phased == "whole_params" else WholeMatrix
+            runner = {Runs.WHOLE_MATRIX: WholeMatrix, Runs.WHOLE_PARAMS: WholeParams}[member.algo.runs]
             self._whole_matrix[member.index] = runner(self.engine, member, self.gather_group)
         return self._whole_matrix[member.index]
 
@@ -177,24 +178,24 @@ class Updates:
                 for m in members}
         for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
             member = e.members[m]
-            if member.algo.phased and any(m in item.shard.member_set for item in items):
+            if member.algo.runs.phased and any(m in item.shard.member_set for item in items):
                 self._whole(member).step(it, items, [t[m] for t in coefs], [u for u in units if u.member == m],
                                          args[m])
         gathers = self._gathers(items, units, members)
         for j, unit in enumerate(units):
             algo = e.members[unit.member].algo
-            if not algo.phased:
+            if not algo.runs.phased:
                 with range_push("fused_zero.update"):
                     algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                         unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks,
                         **args[unit.member]))
             gathers(j)
         for m in members:  # what every rank keeps of each parameter, with or without a piece of it
-            finish = getattr(e.members[m].algo, "finish", None)
-            for item, tables in zip(items, coefs) if finish is not None else ():
+            algo = e.members[m].algo
+            for item, tables in zip(items, coefs) if algo.finishes else ():
                 shard = item.shard
                 if m in shard.member_set:
-                    finish(shard.pids[shard.members == m], tables[m], UpdateArgs(None, None, {}, **args[m]))
+                    algo.finish(shard.pids[shard.members == m], tables[m], UpdateArgs(None, None, {}, **args[m]))
         gathers(len(units))
         if joined:
             for item in items:

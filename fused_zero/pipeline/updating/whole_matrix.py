@@ -32,7 +32,7 @@ import heapq
 
 import torch
 
-from ...update import muon
+from ...update import gradients, muon
 from ..buckets.layout import REPLICATED
 from ..buckets.strides import strided_view
 from ..comm import collectives
@@ -111,7 +111,7 @@ class WholeMatrix:
         (flat bf16, the parameter's memory order), the others' slice pieces to their owners."""
         e = self.engine
         grad_scale = args.get("grad_scale")
-        inv = muon.inverse_scale(grad_scale) if grad_scale is not None else None
+        inv = gradients.inverse_scale(grad_scale) if grad_scale is not None else None
         group_of = e.group_of
         inputs = {pid: torch.empty(e.params[pid].numel(), dtype=torch.bfloat16, device=e.device)
                   for pid, _, _ in mats if self.owner[pid] == self.rank}
@@ -119,7 +119,8 @@ class WholeMatrix:
         for pid, lay, _ in mats:
             g = hp[group_of[pid]]
             for unit, (so, n, _, go, _, elem) in rows.get(pid, ()):
-                grad = muon.gradient(unit.grad[go:go + n], float(e.reduction.grad_div[pid]), inv, args.get("clip_coef"))
+                grad = gradients.gradient(unit.grad[go:go + n], float(e.reduction.grad_div[pid]), inv,
+                                          args.get("clip_coef"))
                 piece = muon.momentum_update(grad, unit.state["momentum_buffer"][so:so + n], g["momentum"],
                                              g["nesterov"], self.ok[pid])
                 if self.owner[pid] == self.rank:

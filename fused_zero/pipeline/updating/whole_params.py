@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ...update import muon
+from ...update import gradients
 from ...update.elementwise_calls import COLUMNS, written
 from ...update.torch_ops import working_weights
 from ..buckets.strides import strided_view
@@ -45,7 +45,7 @@ class WholeParams:
         found = args.get("found_inf")
         on_device = bool(args.get("asynchronous"))
         skip = not on_device and found is not None and float(found) != 0.0
-        inv = muon.inverse_scale(args["grad_scale"]) if args.get("grad_scale") is not None else None
+        inv = gradients.inverse_scale(args["grad_scale"]) if args.get("grad_scale") is not None else None
         hp = it.hparams[m]
         rows: dict[int, list] = {}
         for unit in units:
@@ -75,7 +75,7 @@ class WholeParams:
             if skip or c[0] == 0.0:
                 continue
             p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
-            grad = muon.gradient(grads[off:off + n], c[1], inv, clip)
+            grad = gradients.gradient(grads[off:off + n], c[1], inv, clip)
             weight = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
             call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], []))
             for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, c[2] - 1,
@@ -104,7 +104,7 @@ class WholeParams:
         for local in mine:
             pid = lay.pids[local]
             p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
-            grad = muon.gradient(grads[off:off + n], float(e.reduction.grad_div[pid]), inv, clip)
+            grad = gradients.gradient(grads[off:off + n], float(e.reduction.grad_div[pid]), inv, clip)
             held = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
             weight = held.clone()
             call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], [], []))
