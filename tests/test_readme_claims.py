@@ -43,7 +43,7 @@ ELSEWHERE = {
         "a process without a process group: tests/pipeline/test_single_process.py::test_usage_block_runs",
     ("docs/usage.md", "capturable=True"):
         "CUDA parameters only: tests/gpu/gpu_cases.py case_capture (bench/gpu_check.sh) runs this loop on a GPU, "
-        "tests/pipeline/test_step_graph.py on the stream-order checker's CPU model",
+        "tests/pipeline/step_end/test_step_graph.py on the stream-order checker's CPU model",
 }
 
 
