@@ -14,9 +14,10 @@
 # ZeRO, profiler traces read into numbers, 2+ GPUs where there are; one JSON line per measurement in
 # OUTDIR/run.jsonl, its summary in OUTDIR/summary.md (docs/benchmarks.md, "On a GPU machine").
 #
-# Installs nothing: it runs this checkout from its source tree (PYTHONPATH=the checkout; fused_zero/kernels
-# is a link to kernels/), under the python3 it finds, which must already have torch (CUDA build), triton,
-# pytest and pytest-benchmark (the borrowed machine's image: torch 2.11, Triton 3.6; no network there).
+# Installs nothing: it runs this checkout from its source tree (PYTHONPATH=the checkout; the package finds
+# kernels/ through pyproject.toml's package-dir, fused_zero/checkout.py), under the python3 it finds, which
+# must already have torch (CUDA build), triton, pytest and pytest-benchmark (the borrowed machine's image:
+# torch 2.11, Triton 3.6; no network there).
 # The active environment is left as it was: no pip, no editable install.
 #
 # Steps, each with its own time limit (LIMIT below, seconds), in this order:

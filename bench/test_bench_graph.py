@@ -18,7 +18,7 @@ inside the block, so this is launching time), and CUDA events around each whole 
 
 pytest-benchmark's statistics are the host's ``step()`` times (replayed through ``ReplayClock``);
 ``extra_info`` has the iteration times and the graph's captures and replays. Needs CUDA (skipped
-without: a CUDA graph has no CPU form; the capture path's CPU check is tests/pipeline/test_step_graph.py).
+without: a CUDA graph has no CPU form; the capture path's CPU check is tests/pipeline/step_end/test_step_graph.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ one system after the other. Per system and rank they also count, over the timed 
 
 - NS FLOPs per rank and step: torch's FlopCounterMode around torch.optim.Muon's ``step()`` (every
   matrix, on every rank); fused_zero's owners' own count (pipeline/updating/whole_matrix.py), which
-  tests/pipeline/test_muon.py checks against FlopCounterMode;
+  tests/pipeline/updating/test_muon.py checks against FlopCounterMode;
 - bytes sent per rank and step by fused_zero's collectives (pipeline/comm/collectives.py wrapped), under
   the ring model NCCL's algorithms follow: reduce-scatter and all-gather ``(W-1)/W`` of the whole
   buffer, all-reduce twice that, all-to-all what leaves the rank; and the same count for

@@ -3,11 +3,12 @@ bucket, run as the bucket's gradients are reduced, with the parameters all-gathe
 backward and the next forward."""
 
 from importlib import metadata as _metadata
-from pathlib import Path as _Path
 
+from . import checkout as _checkout
 from . import versions as _versions
 
 _versions.check_installed()  # torch and Triton inside the tested range, or an error / a warning naming it
+_checkout.mount_package_dirs(__name__)  # in a source checkout: the kernels, as pyproject maps them
 
 from .optimizer import OPTIMIZERS  # noqa: E402
 from .optimizer.twins import NO_TWIN  # noqa: E402
@@ -30,14 +31,8 @@ def _version() -> str:
         return _metadata.version("fused-zero")
     except _metadata.PackageNotFoundError:
         pass
-    pyproject = _Path(__file__).resolve().parents[1] / "pyproject.toml"
-    if pyproject.is_file():
-        import tomllib
-
-        project = tomllib.loads(pyproject.read_text()).get("project", {})
-        if project.get("name") == "fused-zero":
-            return project["version"]
-    return "0+unknown"
+    pyproject = _checkout.pyproject()
+    return pyproject["project"]["version"] if pyproject else "0+unknown"
 
 
 __version__ = _version()

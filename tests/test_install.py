@@ -1,10 +1,12 @@
 """The package as a user gets it: a wheel and an sdist built from a clean copy of the tracked files, the
-wheel installed (not editable) into a folder of its own, and ``import fused_zero`` (with its kernels,
-which live in ``kernels/`` at the top level and reach the package through the ``fused_zero/kernels``
-link) from the clone's root, which puts the source tree first, and from elsewhere, which finds the
-installed copy. Skipped where the copy or the build cannot be made here (no git, no setuptools
-backend); builds without the network (no build isolation, no index)."""
+wheel installed (not editable) into a folder of its own, and ``import fused_zero`` with its kernels
+(which live in ``kernels/`` at the top level; pyproject.toml's package-dir installs them as
+``fused_zero.kernels``) from the clone's root, which puts the source tree first (fused_zero/checkout.py
+reads the same package-dir there), and from elsewhere, which finds the installed copy. Skipped where the
+copy or the build cannot be made here (no git, no setuptools backend); builds without the network (no
+build isolation, no index)."""
 
+import os
 import shutil
 import site
 import subprocess
@@ -25,8 +27,8 @@ def _run(args, cwd, **kw):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(clone, wheel, sdist): the tracked files copied as git has them (the link kept a link), and what
-    setuptools' backend builds from them."""
+    """(clone, wheel, sdist): the tracked files copied as git has them, and what setuptools' backend
+    builds from them."""
     tmp = tmp_path_factory.mktemp("install")
     clone = tmp / "clone"
     files = _run(["git", "ls-files", "-z"], ROOT)
@@ -36,26 +38,38 @@ def built(tmp_path_factory):
     pack = subprocess.run(["tar", "--null", "-T", "-", "-cf", "-"], cwd=ROOT, input=files.stdout.encode(),
                           capture_output=True, check=True)
     subprocess.run(["tar", "-xf", "-"], cwd=clone, input=pack.stdout, check=True)
-    out = {}
-    for kind in ("wheel", "sdist"):
-        build = f"from setuptools import build_meta as b; print(b.build_{kind}({str(tmp)!r}))"
-        # -P: the clone's kernels/ must not shadow an installed package named kernels (transformers' dependency)
-        res = _run([sys.executable, "-P", "-c", build], clone)
-        if res.returncode != 0:
-            pytest.skip(f"setuptools cannot build the {kind} here: {res.stderr.strip()[-400:]}")
-        out[kind] = tmp / res.stdout.strip().splitlines()[-1]
+    out = {kind: _build(kind, clone, tmp) for kind in ("wheel", "sdist")}
     return clone, out["wheel"], out["sdist"]
 
 
-def test_wheel_and_sdist_hold_the_kernels(built):
-    _, wheel, sdist = built
+def _build(kind: str, source: Path, into: Path) -> Path:
+    build = f"from setuptools import build_meta as b; print(b.build_{kind}({str(into)!r}))"
+    # -P and no PYTHONPATH: no checkout's kernels/ may shadow an installed package named kernels
+    # (transformers' dependency, whose entry point setuptools' egg_info loads)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    res = _run([sys.executable, "-P", "-c", build], source, env=env)
+    if res.returncode != 0:
+        pytest.skip(f"setuptools cannot build the {kind} here: {res.stderr.strip()[-400:]}")
+    return into / res.stdout.strip().splitlines()[-1]
+
+
+def _kernels_in_wheel(wheel: Path) -> set[str]:
     with zipfile.ZipFile(wheel) as z:
-        in_wheel = {Path(n).name for n in z.namelist() if n.startswith("fused_zero/kernels/")}
+        return {Path(n).name for n in z.namelist() if n.startswith("fused_zero/kernels/")}
+
+
+def test_wheel_and_sdist_hold_the_kernels(built, tmp_path):
+    """The wheel holds them as fused_zero/kernels; the sdist holds kernels/ and the package-dir that maps
+    it, so the wheel pip builds from the sdist holds them too."""
+    _, wheel, sdist = built
+    assert KERNELS and set(KERNELS) <= _kernels_in_wheel(wheel), f"the wheel has {sorted(_kernels_in_wheel(wheel))}"
     with tarfile.open(sdist) as t:
-        members = {m.name.split("/", 1)[1]: m for m in t.getmembers() if "/" in m.name}
-    in_sdist = {Path(n).name for n, m in members.items() if n.startswith("fused_zero/kernels/") and m.isfile()}
-    assert KERNELS and set(KERNELS) <= in_wheel, f"the wheel's fused_zero/kernels has {sorted(in_wheel)}"
-    assert set(KERNELS) <= in_sdist, f"the sdist's fused_zero/kernels has {sorted(in_sdist)}"
+        in_sdist = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name and m.isfile()}
+        t.extractall(tmp_path, filter="data")
+    assert {f"kernels/{name}" for name in KERNELS} <= in_sdist, f"the sdist has {sorted(in_sdist)}"
+    (unpacked,) = (p for p in tmp_path.iterdir() if p.is_dir())
+    from_sdist = _build("wheel", unpacked, tmp_path)
+    assert set(KERNELS) <= _kernels_in_wheel(from_sdist), f"its wheel has {sorted(_kernels_in_wheel(from_sdist))}"
 
 
 def test_import_after_a_non_editable_install(built, tmp_path):

@@ -1,17 +1,19 @@
 """The package's import direction (docs/design.md opens with the map): every module of fused_zero and of
-kernels/ is parsed, its imports resolved, and each import checked against what its part may import.
+kernels/ (installed as fused_zero.kernels: pyproject.toml's package-dir) is parsed, its imports resolved,
+and each import checked against what its part may import.
 
     kernels      nothing of fused_zero, and nothing of torch.distributed
     options      nothing of fused_zero
     params       options (the parameters an optimizer updates, collected and checked)
     versions     nothing of fused_zero (the tested torch and Triton range, checked at import)
+    checkout     nothing of fused_zero (a source checkout's pyproject.toml: its version, its package-dir)
     update       kernels
     pipeline     kernels, options, params, update
     checkpoint   kernels, options, params, update, pipeline
     testing      kernels, options, update, pipeline (the stream-order checker the tests run the engine
                  under: fused_zero/testing/streamcheck/)
     optimizer    options, params, update, pipeline, checkpoint
-    root         (fused_zero/__init__.py) optimizer, versions
+    root         (fused_zero/__init__.py) optimizer, versions, checkout
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
     demo         root, optimizer, options
 
@@ -39,12 +41,13 @@ ALLOWED = {
     "options": set(),
     "params": {"options"},
     "versions": set(),
+    "checkout": set(),
     "update": {"kernels"},
     "pipeline": {"kernels", "options", "params", "update"},
     "checkpoint": {"kernels", "options", "params", "update", "pipeline"},
     "testing": {"kernels", "options", "update", "pipeline"},
     "optimizer": {"options", "params", "update", "pipeline", "checkpoint"},
-    "root": {"optimizer", "versions"},
+    "root": {"optimizer", "versions", "checkout"},
     "integrations": {"root", "optimizer", "options", "integrations"},
     "demo": {"root", "optimizer", "options"},
 }
@@ -59,15 +62,24 @@ def _part(module: str) -> str:
     return "integrations" if head in INTEGRATIONS else head
 
 
+def source_folders() -> dict[str, Path]:
+    """Each package a wheel installs with a source folder of its own (dotted name -> folder): fused_zero,
+    and what pyproject.toml's package-dir maps outside it (fused_zero.kernels: kernels/), read from there
+    as setuptools and fused_zero/checkout.py read it."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {"fused_zero": ROOT / "fused_zero",
+            **{name: ROOT / folder for name, folder in config.get("package-dir", {}).items()}}
+
+
 def modules():
     """(dotted name, path) of every module of the installed package, from its source folders."""
     out = []
-    for path in sorted((ROOT / "fused_zero").rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        out.append((".".join(rel.parts).removesuffix(".__init__"), path))
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        rel = path.relative_to(ROOT / "kernels").with_suffix("")
-        out.append((".".join(("fused_zero", "kernels", *rel.parts)).removesuffix(".__init__"), path))
+    for package, folder in source_folders().items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            out.append((".".join((package, *rel.parts)).removesuffix(".__init__"), path))
     return out
 
 
@@ -111,13 +123,14 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
 
 
 def _is_module(dotted: str) -> bool:
-    if dotted == "fused_zero":
-        return True
-    rel = dotted.split(".")[1:]
-    base = ROOT / "kernels" if rel[0] == "kernels" else ROOT / "fused_zero"
-    parts = rel[1:] if rel[0] == "kernels" else rel
-    path = base.joinpath(*parts) if parts else base
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+    """Whether a dotted name under fused_zero is a module or package of the source folders."""
+    names = dotted.split(".")
+    for package, folder in sorted(source_folders().items(), key=lambda item: -len(item[0])):
+        head = package.split(".")
+        if names[:len(head)] == head:
+            path = folder.joinpath(*names[len(head):])
+            return path == folder or path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+    return False
 
 
 @pytest.mark.parametrize("module,path", modules(), ids=[m for m, _ in modules()])
@@ -252,10 +265,7 @@ def test_every_package_is_installed():
     import tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = set()
-    for init in [*ROOT.glob("fused_zero/**/__init__.py"), *ROOT.glob("kernels/**/__init__.py")]:
-        rel = init.parent.relative_to(ROOT).parts
-        found.add(".".join(["fused_zero", *rel] if rel[0] == "kernels" else rel))
+    found = {module for module, path in modules() if path.name == "__init__.py"}
     assert found == set(config["packages"]), (
         f"missing from pyproject.toml's packages: {sorted(found - set(config['packages']))}; "
         f"listed without a folder: {sorted(set(config['packages']) - found)}")
@@ -404,6 +414,14 @@ def test_an_undeclared_collective_is_named():
               "def broadcast(t, g):\n    return _helper(t, g)\n"
               "def backend_of(g, device):\n    return dist.get_backend_config(g)\n")
     assert declared_collectives(source) == ({"all_reduce", "reduce_scatter", "broadcast"}, {"all_reduce"})
+
+
+def test_no_package_folder_is_a_link():
+    """A package's folders are real ones (a sub-package outside fused_zero/ is mapped by pyproject.toml's
+    package-dir): import readers and clone scanners do not follow a symbolic link."""
+    links = [str(p.relative_to(ROOT)) for folder in source_folders().values()
+             for p in [folder, *folder.rglob("*")] if p.is_symlink()]
+    assert not links, f"symbolic links in the package's source folders: {links}"
 
 
 PIPELINE = ROOT / "fused_zero" / "pipeline"

@@ -1,10 +1,11 @@
 """Promises the README and the docs pages make that no other test holds: every relative link resolves,
-to a file and to one of its headings (GitHub's anchors), no docs page is over 20,000 bytes, every python
-code block runs (or is named below with the test that runs it elsewhere), the README's
-option table is the one fused_zero/options.py describes, the README fits its size, the example runs as
-written, and the bound on the replicated tail (docs/shard-groups.md)."""
+to a file and to one of its headings (GitHub's anchors), every file named by its path exists, no docs
+page is over 20,000 bytes, every python code block runs (or is named below with the test that runs it
+elsewhere), the README's option table is the one fused_zero/options.py describes, the README fits its
+size, the example runs as written, and the bound on the replicated tail (docs/shard-groups.md)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ ELSEWHERE = {
         "a process without a process group: tests/pipeline/test_single_process.py::test_usage_block_runs",
     ("docs/usage.md", "capturable=True"):
         "CUDA parameters only: tests/gpu/gpu_cases.py case_capture (bench/gpu_check.sh) runs this loop on a GPU, "
-        "tests/pipeline/test_step_graph.py on the stream-order checker's CPU model",
+        "tests/pipeline/step_end/test_step_graph.py on the stream-order checker's CPU model",
 }
 
 
@@ -76,6 +77,36 @@ def test_an_oversized_page_is_named(tmp_path):
     assert oversized(sorted(tmp_path.glob("*.md"))) == [f"big.md is {DOCS_LIMIT + 1} bytes, over {DOCS_LIMIT}: "
                                                          "split it into pages by task"]
 
+
+NAMED_PATH = re.compile(r"(?<![\w/.])((?:bench|docs|examples|fused_zero|kernels|tests)/[\w/.-]*\.(?:md|py|sh))")
+"""A repository path as the pages, scripts and docstrings write it: from a top-level folder, to a file."""
+
+
+def stale_paths(root: Path, files) -> list[str]:
+    """Each path a file names (NAMED_PATH) that does not exist under ``root``, with where it is named."""
+    return [f"{file.relative_to(root)}: {path}" for file in files
+            for path in sorted(set(NAMED_PATH.findall(file.read_text()))) if not (root / path).exists()]
+
+
+def test_named_files_exist():
+    """Every file the README, the docs, .ci/run, the benchmarks and the code name by its path from the
+    repository's root exists: a file moved or renamed leaves no stale name behind (bench/results/ keeps
+    what a past run printed)."""
+    files = [ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "pyproject.toml", *ROOT.glob("docs/*.md"),
+             *ROOT.glob("bench/*.py"), *ROOT.glob("bench/*.sh"), *ROOT.glob("examples/*.py"),
+             *ROOT.glob("tests/**/*.py"), *ROOT.glob("fused_zero/**/*.py"), *ROOT.glob("kernels/*.py")]
+    assert stale_paths(ROOT, files) == []
+
+
+def test_a_stale_path_is_named(tmp_path):
+    """The path check itself can fail: a moved test file's old path is named, its new one and a path
+    inside another word are not."""
+    (tmp_path / "tests" / "pipeline" / "comm").mkdir(parents=True)
+    (tmp_path / "tests" / "pipeline" / "comm" / "test_backends.py").write_text("")
+    moved = "tests/pipeline/" + "test_backends.py"  # in two, or this file would name a path that is not
+    page = tmp_path / "page.md"
+    page.write_text(f"`{moved}` and tests/pipeline/comm/test_backends.py, not my_tests/x.py\n")
+    assert stale_paths(tmp_path, [page]) == [f"page.md: {moved}"]
 
 @pytest.mark.parametrize("page", doc_blocks.PAGES, ids=doc_blocks.page_name)
 def test_relative_links_resolve(page):

@@ -6,7 +6,7 @@
   that loads without fused_zero's objects), the original trains on bit for bit, and the EMA updated after
   every step equals DDP + torch.optim's (with ``param_sync="forward"`` after ``opt.synchronize()``,
   docs/usage.md; the stream-order checker shows the stale read it prevents:
-  tests/pipeline/test_stream_order.py).
+  tests/pipeline/comm/test_stream_order.py).
 - Weights written after construction (pipeline/reducing/weight_watch.py): ``model.load_state_dict`` of
   other weights, ``p.copy_`` under ``no_grad``, ``nn.init``, ``p.data = t``, on a bf16 module (whose
   fp32 masters must follow) and an fp32 one, in every mode, against DDP + torch.optim with fp32 masters

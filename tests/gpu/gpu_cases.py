@@ -340,9 +340,9 @@ def case_muon():
 
 def _formats(rank, world):
     """Compact state with the compiled kernels: bf16 and 8-bit moments, per-group formats in mixed
-    buckets, stochastic rounding, each against its oracle (tests/pipeline/formats_scenarios.py: torch.optim
+    buckets, stochastic rounding, each against its oracle (tests/pipeline/updating/formats_scenarios.py: torch.optim
     with its moments put through the format), within the tolerance of the interpreted-kernel cases."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "pipeline"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "pipeline", "updating"))
     from formats_scenarios import FormatCase, train
 
     cases = [FormatCase(state_format=f, overlap=o, backend="triton", device="cuda", steps=8)
@@ -497,7 +497,7 @@ def case_no_host_sync():
     debug mode is process-wide and gloo's CUDA work synchronizes in gloo's own threads, and a gloo
     Work's wait is a host wait by design, so that run could only fail. The step path at world 2 and
     4 with NCCL's ordering is checked for host synchronizations on the CPU (the stream-order checker,
-    tests/pipeline/test_stream_order.py)."""
+    tests/pipeline/comm/test_stream_order.py)."""
     from fused_zero.demo.spawn import run_ranks
 
     run_ranks(_no_host_sync, 1, 0, backend="nccl", timeout=300)

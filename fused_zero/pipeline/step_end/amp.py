@@ -21,7 +21,7 @@ Two things in that contract do not fit a sharded optimizer, and the link below b
   is reduced. The same argument serves ``overlap="step"``, so one contract holds in both modes.
 
 This reads two private attributes of GradScaler (``_scale`` and ``_per_optimizer_states``), the ones
-the contract above is made of; tests/pipeline/test_mixed_precision.py checks them against the installed torch.
+the contract above is made of; tests/pipeline/step_end/test_mixed_precision.py checks them against the installed torch.
 
 GradScaler keeps a state per optimizer, and so does the link: each fused_zero optimizer over a module
 has its own (pipeline/members.py), its own flag (its own gradients' overflow: the others step) and its own

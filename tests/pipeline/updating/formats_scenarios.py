@@ -34,7 +34,7 @@ import fused_zero
 from fused_zero.kernels import row_table, sr_key
 from fused_zero.optimizer import TWINS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 from kernel_reference import decode8, encode8, round_stochastic
 
 SIGNED = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
