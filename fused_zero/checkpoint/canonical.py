@@ -13,7 +13,7 @@ weights, without which a resumed run restarts from rounded weights and drifts. t
 ``load_state_dict`` keeps unknown keys as they are (cast to the parameter's dtype like the rest) and its
 ``step()`` never reads them; a dict without them (torch.optim's) starts the masters from the parameters.
 
-Each fused_zero optimizer over a DDP module has its own dict (Muon's beside AdamW's): ``engine`` here is
+Each fused_zero optimizer over a DDP module has its own dict (Muon's beside AdamW's): ``view`` here is
 one optimizer's share of the module's engine (pipeline/members.MemberView), with its parameters in its
 own order (``i``) and its state names in each shard.
 
@@ -37,29 +37,29 @@ from ..pipeline.buckets.strides import strided_view
 from .checks import MASTER_KEY
 
 
-def has_state(engine, i: int) -> bool:
+def has_state(view, i: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum; Adagrad: when
     it is built): update/interface.Algorithm.has_state."""
-    return engine.algo.has_state(engine.counts()[i], engine.opt.param_groups[engine.table.group_of[i]])
+    return view.algo.has_state(view.counts()[i], view.opt.param_groups[view.table.group_of[i]])
 
 
-def state_names_of(engine, shard, i: int) -> list[str]:
+def state_names_of(view, shard, i: int) -> list[str]:
     """The state names torch.optim keeps for parameter ``i`` (the shard's, less what its param group
     has no use for: RMSprop's momentum buffer without momentum)."""
-    group = engine.opt.param_groups[engine.table.group_of[i]]
-    return [n for n in engine.layout.names(shard) if n == "master" or engine.algo.group_has(n, group)]
+    group = view.opt.param_groups[view.table.group_of[i]]
+    return [n for n in view.layout.names(shard) if n == "master" or view.algo.group_has(n, group)]
 
 
-def kept_entries(engine, i: int) -> dict:
+def kept_entries(view, i: int) -> dict:
     """Parameter ``i``'s state kept on every rank beside the regions (NAdam's ``mu_product``, ASGD's
     ``eta`` and ``mu``: update/elementwise.py; Adafactor's factored statistics: update/adafactor.py),
     on the CPU."""
-    algo = engine.algo
+    algo = view.algo
     if not algo.kept_names:
         return {}
-    group = engine.opt.param_groups[engine.table.group_of[i]]
-    return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(engine.table.pids[i]), group,
-                                                                            engine.ranks.device).items()}
+    group = view.opt.param_groups[view.table.group_of[i]]
+    return {name: t.detach().cpu().clone() for name, t in algo.kept_entries(int(view.table.pids[i]), group,
+                                                                            view.ranks.device).items()}
 
 
 def param_index(opt) -> dict[int, int]:
@@ -76,39 +76,39 @@ def packed_groups(opt, index: dict[int, int]) -> list[dict]:
             for g in opt.param_groups]
 
 
-def state_dict(engine, peers, to: int | None = None) -> dict | None:
+def state_dict(view, peers, to: int | None = None) -> dict | None:
     """The canonical dict on CPU, on any calling rank (``to=None``) or on rank ``to`` only (the others
     get None); the other ranks serve their slices whatever they do meanwhile (serving/peers.py)."""
-    if to is not None and not (isinstance(to, int) and 0 <= to < engine.ranks.world):
-        raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{engine.ranks.world - 1})")
-    return peers.state_dict(to, lambda: StateDictBuilder(engine))
+    if to is not None and not (isinstance(to, int) and 0 <= to < view.ranks.world):
+        raise ValueError(f"to={to!r} is not a rank of the optimizer's process group (0..{view.ranks.world - 1})")
+    return peers.state_dict(to, lambda: StateDictBuilder(view))
 
 
-def written_by(engine, peers, writer: int) -> dict:
+def written_by(view, peers, writer: int) -> dict:
     """``state_dict(to=)`` the DDP-group rank of global rank ``writer``, for a framework that builds its
     checkpoint on every rank and writes it from ``writer`` alone: one full dict, and one transfer per
     other rank, instead of one dict on every rank and W(W - 1) transfers. The other ranks get ``{}``
     (a dict, as such frameworks expect; Lightning gives the same to sharded optimizers of its own)."""
-    topology = engine.ranks.topology
+    topology = view.ranks.topology
     to = topology.group_rank(writer)
     if to is None:
         raise ValueError(f"the checkpoint is written from global rank {writer}, which is not in the optimizer's "
                          f"process group (global ranks {sorted(r for m in topology.global_ranks for r in m)}"
                          "): that rank cannot gather the state. Build DDP over a process group that includes it")
-    sd = state_dict(engine, peers, to)
+    sd = state_dict(view, peers, to)
     return {} if sd is None else sd
 
 
-def sharded_slices(engine) -> list:
+def sharded_slices(view) -> list:
     """(shard, state name) of every region with a sharded head, in the order ranks send their slices."""
-    layout = engine.layout
+    layout = view.layout
     return [(shard, name) for shard in layout.shards() if shard.layout.shard for name in layout.names(shard)]
 
 
-def layout_fingerprint(engine) -> int:
+def layout_fingerprint(view) -> int:
     """What requester and server must agree on for a slice to mean the same elements on both."""
     layouts = [(s.layout.numel, s.layout.head, s.layout.shard, tuple(s.layout.pids), tuple(s.layout.offsets),
-                tuple(engine.layout.names(s))) for s in engine.layout.shards()]
+                tuple(view.layout.names(s))) for s in view.layout.shards()]
     return zlib.crc32(repr(layouts).encode())
 
 
@@ -124,24 +124,24 @@ class StateDictBuilder:
         fingerprint: the layout's (``layout_fingerprint``).
     """
 
-    def __init__(self, engine):
-        engine.synchronize()
-        self.engine = engine
-        self.slices = sharded_slices(engine)
-        self.fingerprint = layout_fingerprint(engine)
-        self._index = param_index(engine.opt)
+    def __init__(self, view):
+        view.synchronize()
+        self.view = view
+        self.slices = sharded_slices(view)
+        self.fingerprint = layout_fingerprint(view)
+        self._index = param_index(view.opt)
         self.state: dict[int, dict] = {}
         self._fresh: list[tuple] = []  # (flat entry, value) of state made before any step, set in result()
         self._targets: dict[int, tuple] = {}  # id(shard) -> (offsets, numels, per parameter {name: flat entry})
-        for shard in engine.layout.shards():
+        for shard in view.layout.shards():
             layout = shard.layout
             order = sorted(range(len(layout.pids)), key=layout.offsets.__getitem__)
-            rows = [self._entry(engine.table.local_of.get(layout.pids[local]), shard) for local in order]
+            rows = [self._entry(view.table.local_of.get(layout.pids[local]), shard) for local in order]
             self._targets[id(shard)] = ([layout.offsets[i] for i in order], [layout.numels[i] for i in order], rows)
 
     def _entry(self, i: int | None, shard) -> dict | None:
         """The dict's entry of the optimizer's parameter ``i`` (None: another optimizer's)."""
-        e = self.engine
+        e = self.view
         if i is None or not has_state(e, i):
             return None
         p = e.table.params[i]
@@ -172,11 +172,11 @@ class StateDictBuilder:
 
     def local(self) -> StateDictBuilder:
         """This rank's own slices and the replicated tails (every rank holds them)."""
-        for shard in self.engine.layout.shards():
+        for shard in self.view.layout.shards():
             layout = shard.layout
             rank = layout.rank  # within the shard group
             mine, tail = slice(*layout.region_slice(rank)), slice(*layout.region_tail(rank))
-            for name in self.engine.layout.names(shard):
+            for name in self.view.layout.names(shard):
                 region = shard.values(name)  # decoded to fp32 where the moments are stored compact
                 if layout.shard:
                     self.add(shard, name, rank * layout.shard, region[mine].cpu())
@@ -188,46 +188,46 @@ class StateDictBuilder:
             flat.fill_(value)
         # torch.optim's order: parameters by index, step first, then the state tensors (the algorithm's
         # order where it keeps 0-dim scalars too), fp32_master last
-        rank = {key: i for i, key in enumerate(self.engine.algo.state_order)}
+        rank = {key: i for i, key in enumerate(self.view.algo.state_order)}
         state = {k: dict(sorted(v.items(), key=lambda kv: rank.get(kv[0], len(rank) + (kv[0] == MASTER_KEY))))
                  for k, v in sorted(self.state.items())}
-        out = {"state": state, "param_groups": packed_groups(self.engine.opt, self._index)}
-        formats = self.engine.table.group_formats
+        out = {"state": state, "param_groups": packed_groups(self.view.opt, self._index)}
+        formats = self.view.table.group_formats
         if any(f != "fp32" for f in formats):  # torch.optim ignores the key; the moments are decoded
             out["fused_zero"] = {"state_format": formats[0] if len(set(formats)) == 1 else formats}
         return out
 
 
-def is_state_init_step(engine) -> bool:
+def is_state_init_step(view) -> bool:
     """Whether a step() with no backward before it is torch's state initialization
     (torch.distributed.checkpoint.state_dict._init_optim_state): no state torch.optim would show
     (``bool(opt.state)``, which DCP tests: a stateless optimizer, SGD without momentum, shows none
     after any number of steps, and DCP steps it at every save and load), every gradient a zero tensor,
     every learning rate 0. torch.optim's step then makes the state as a first step makes it, and leaves
     the parameters (pipeline/step_end/stepping.py's ``state_init_step`` runs that step)."""
-    if any(has_state(engine, i) for i in range(len(engine.table.params))):
+    if any(has_state(view, i) for i in range(len(view.table.params))):
         return False
-    if any(float(g.get("lr", 0.0)) != 0.0 for g in engine.opt.param_groups):
+    if any(float(g.get("lr", 0.0)) != 0.0 for g in view.opt.param_groups):
         return False
-    return all(p.grad is not None and not bool(p.grad.any()) for p in engine.table.params)
+    return all(p.grad is not None and not bool(p.grad.any()) for p in view.table.params)
 
 
-def local_entry(engine, i: int) -> dict:
+def local_entry(view, i: int) -> dict:
     """``opt.state[p]``: a snapshot of this rank's share of a parameter's state, with no collective.
     ``step`` as torch.optim keeps it; each state tensor (and ``fp32_master``) flattened, holding only
     the elements of the parameter that this rank updates (its slices, then the replicated tail)."""
-    shard, local = engine.layout.where(i)
+    shard, local = view.layout.where(i)
     me = shard.layout.rank
     runs = [(region_off, hi - lo) for lo, hi, owner, region_off in shard.layout.owners(local, me)
             if owner in (me, REPLICATED)]
     entry = {}
-    if engine.algo.keeps_step:
-        entry["step"] = torch.tensor(float(engine.counts()[i]), dtype=torch.float32, device="cpu")
-    engine.synchronize()
-    for name in state_names_of(engine, shard, i):
+    if view.algo.keeps_step:
+        entry["step"] = torch.tensor(float(view.counts()[i]), dtype=torch.float32, device="cpu")
+    view.synchronize()
+    for name in state_names_of(view, shard, i):
         region = shard.values(name)
         parts = [region[off:off + n] for off, n in runs]
         value = torch.cat(parts) if parts else region[:0].clone()
         entry[MASTER_KEY if name == "master" else name] = value
-    entry.update(kept_entries(engine, i))
+    entry.update(kept_entries(view, i))
     return entry

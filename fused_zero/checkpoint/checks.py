@@ -62,25 +62,25 @@ def merged_groups(opt, saved_groups: list) -> list[dict]:
     return out
 
 
-def check_algorithm(engine, groups: list[dict]) -> None:
+def check_algorithm(view, groups: list[dict]) -> None:
     """The groups' hyperparameters pass the algorithm's checks and need the state the optimizer has."""
-    probe = copy.copy(engine.algo)
+    probe = copy.copy(view.algo)
     try:
         probe.refresh(groups)
     except ValueError as e:
         raise StateDictError(f"the state dict's param groups are refused: {e}") from None
-    if probe.state_names() != engine.algo.state_names():
+    if probe.state_names() != view.algo.state_names():
         raise StateDictError(f"the state dict's settings need state {probe.state_names()}, the optimizer was "
-                             f"built with {engine.algo.state_names()}; build it with the same amsgrad / "
+                             f"built with {view.algo.state_names()}; build it with the same amsgrad / "
                              "momentum settings")
 
 
-def check_entry(engine, pid: int, where: str, entry, shape, required: list[str]) -> None:
+def check_entry(view, pid: int, where: str, entry, shape, required: list[str]) -> None:
     """One parameter's saved state: no foreign keys, every required tensor, shapes, finite values.
     ``shape``: the shape each state tensor must have (the parameter's, or a flat local share)."""
     if not isinstance(entry, dict):
         raise StateDictError(f"{where}: the state entry is a {type(entry).__name__}, not a dict")
-    algo = engine.algo
+    algo = view.algo
     foreign = [k for k in registry.foreign_state(type(algo)) if entry.get(k) is not None]
     if foreign:
         raise StateDictError(f"{where} has {foreign}: that is not {algo.title} state (the state dict "
@@ -92,7 +92,7 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
             raise StateDictError(f"{where} lacks {name!r}, which {algo.title} needs")
     for name, value in entry.items():
         if name in algo.kept_names:  # kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
-            error = algo.check_kept(name, value, engine.table.params[pid].shape)
+            error = algo.check_kept(name, value, view.table.params[pid].shape)
             if error is not None:
                 raise StateDictError(f"{where}: {error}")
             continue
@@ -110,7 +110,7 @@ def check_entry(engine, pid: int, where: str, entry, shape, required: list[str])
             raise StateDictError(f"{where}: state {name!r} holds non-finite values")
 
 
-def agree(engine, error: str | None) -> None:
+def agree(view, error: str | None) -> None:
     """Every rank learns whether any rank refused; all raise (the first refusing rank's message) or none
     does. Without this a rank with a corrupt copy would refuse while the others go on and mutate.
 
@@ -118,21 +118,21 @@ def agree(engine, error: str | None) -> None:
     collectives: ``all_gather_object`` would put its tensors on the *current* device, which under NCCL,
     in a script that never calls ``torch.cuda.set_device``, is cuda:0 on every rank."""
     errors = [error]
-    if engine.ranks.world > 1:
-        errors = _gather_messages(engine, error)
+    if view.ranks.world > 1:
+        errors = _gather_messages(view, error)
     for rank, e in enumerate(errors):
         if e is not None:
-            prefix = "" if rank == engine.ranks.rank else f"rank {rank} refused the state dict: "
+            prefix = "" if rank == view.ranks.rank else f"rank {rank} refused the state dict: "
             raise StateDictError(prefix + e)
 
 
-def _gather_messages(engine, message: str | None) -> list[str | None]:
+def _gather_messages(view, message: str | None) -> list[str | None]:
     """Every rank's ``message`` (None: no message), on every rank: the lengths, then the bytes."""
-    device, world = engine.ranks.device, engine.ranks.world
+    device, world = view.ranks.device, view.ranks.world
     data = (message or "").encode()[:_MESSAGE_BYTES]
     lengths = torch.zeros(world, dtype=torch.int64, device=device)
     mine = torch.tensor([0 if message is None else len(data) + 1], dtype=torch.int64, device=device)
-    collectives.all_gather(lengths, mine, engine.ranks.group, async_op=False)
+    collectives.all_gather(lengths, mine, view.ranks.group, async_op=False)
     lengths = lengths.tolist()
     width = max(lengths)
     if width == 0:
@@ -141,7 +141,7 @@ def _gather_messages(engine, message: str | None) -> list[str | None]:
     if data:
         buf[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
     everyone = torch.empty(world * width, dtype=torch.uint8, device=device)
-    collectives.all_gather(everyone, buf, engine.ranks.group, async_op=False)
+    collectives.all_gather(everyone, buf, view.ranks.group, async_op=False)
     everyone = everyone.cpu().tolist()
     return [None if n == 0 else bytes(everyone[r * width:r * width + n - 1]).decode(errors="replace")
             for r, n in enumerate(lengths)]

@@ -62,11 +62,11 @@ def _target(opt, algo, params: list, masters: list[bool], world: int = 1, rank: 
     return Target(opt, algo, SimpleNamespace(params=params), masters, Ranks(world, rank, group, device, None))
 
 
-def _of_engine(engine) -> Target:
-    """``engine``: one optimizer's share of the engine (pipeline/members.MemberView), as everywhere here."""
-    engine.synchronize()  # the masters are compared with the parameters
-    masters = ["master" in engine.layout.where(i)[0].names for i in range(len(engine.table.params))]
-    return Target(engine.opt, engine.algo, engine.table, masters, engine.ranks)
+def _of_view(view) -> Target:
+    """``view``: one optimizer's share of the engine (pipeline/members.MemberView), as everywhere here."""
+    view.synchronize()  # the masters are compared with the parameters
+    masters = ["master" in view.layout.where(i)[0].names for i in range(len(view.table.params))]
+    return Target(view.opt, view.algo, view.table, masters, view.ranks)
 
 
 def _params_in_order(opt) -> list:
@@ -79,12 +79,12 @@ def _params_in_order(opt) -> list:
     return out
 
 
-def load_state_dict(engine, sd) -> None:
+def load_state_dict(view, sd) -> None:
     """Load into an attached optimizer: every rank checks, all agree, then every rank applies."""
-    target = _of_engine(engine)
+    target = _of_view(view)
     error, plan = _checked(target, sd)
     checks.agree(target, error)
-    _apply(engine, *plan)
+    _apply(view, *plan)
 
 
 def keep_until_attach(opt, sd) -> dict | None:
@@ -137,8 +137,8 @@ def check_at_attach(opt, ddp, options: dict, kept: dict | None):
     return plan
 
 
-def apply_at_attach(engine, plan) -> None:
-    _apply(engine, *plan)
+def apply_at_attach(view, plan) -> None:
+    _apply(view, *plan)
 
 
 def _checked(target: Target, sd) -> tuple[str | None, tuple]:
@@ -184,22 +184,22 @@ def _check(target: Target, sd):
     return groups, entries
 
 
-def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
-    opt = engine.opt
+def _apply(view, groups: list[dict], entries: dict[int, dict]) -> None:
+    opt = view.opt
     for g, merged in zip(opt.param_groups, groups):
         g.update({k: v for k, v in merged.items() if k != "params"})
-    engine.algo.refresh(opt.param_groups)
-    engine.synchronize()
-    hold = engine.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    engine.layout.holding = engine.layout.holding or hold
-    member = engine.table.member
-    for shard in engine.layout.shards():
+    view.algo.refresh(opt.param_groups)
+    view.synchronize()
+    hold = view.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    view.layout.holding = view.layout.holding or hold
+    member = view.table.member
+    for shard in view.layout.shards():
         shard.init_master_from_params(member)
         filled = {name: shard.values("master") if name == "master" else
-                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=engine.ranks.device)
-                  for name in engine.layout.names(shard)}
+                  torch.zeros(shard.layout.region_size, dtype=torch.float32, device=view.ranks.device)
+                  for name in view.layout.names(shard)}
         for piece in shard.layout.pieces(shard.layout.rank):
-            i = engine.table.local_of.get(shard.layout.pids[piece.local])
+            i = view.table.local_of.get(shard.layout.pids[piece.local])
             if i is None:
                 continue  # another optimizer's parameter
             saved = entries[i]
@@ -207,22 +207,22 @@ def _apply(engine, groups: list[dict], entries: dict[int, dict]) -> None:
                 value = saved.get(MASTER_KEY if name == "master" else name)
                 if value is None:
                     continue
-                flat = memory_order(value.detach(), engine.table.params[i])
+                flat = memory_order(value.detach(), view.table.params[i])
                 region[piece.region_off:piece.region_off + piece.length].copy_(
                     flat[piece.elem:piece.elem + piece.length])
         for name, region in filled.items():  # moments encoded in their format, as an update would
             if region is not shard.live(name, member):
                 shard.load_values(name, region, hold, member)
-    engine.layout.masters_loaded()
-    steps = engine.steps
+    view.layout.masters_loaded()
+    steps = view.steps
     for i, saved in entries.items():
-        steps[i] = engine.algo.saved_count(saved)
-        load_kept(engine, i, saved)
-    engine.steps = steps
+        steps[i] = view.algo.saved_count(saved)
+        load_kept(view, i, saved)
+    view.steps = steps
 
 
-def load_kept(engine, i: int, saved: dict) -> None:
+def load_kept(view, i: int, saved: dict) -> None:
     """Parameter ``i``'s state kept on every rank beside the regions (canonical.kept_entries), from its
     saved entry; a parameter the dict has no state for makes it afresh at its first step."""
-    if engine.algo.kept_names:
-        engine.algo.load_kept(int(engine.table.pids[i]), saved, engine.ranks.device)
+    if view.algo.kept_names:
+        view.algo.load_kept(int(view.table.pids[i]), saved, view.ranks.device)

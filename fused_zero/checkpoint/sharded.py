@@ -82,34 +82,34 @@ def _dim_order(p: torch.Tensor) -> list[int] | None:
     return sorted(range(p.dim()), key=lambda d: (-p.stride(d), d))
 
 
-def _describe(engine) -> dict:
-    index = canonical.param_index(engine.opt)
-    return {"format": FORMAT, "kind": engine.algo.kind,
-            "state": sorted({_state_key(n) for s in engine.layout.shards() for n in engine.layout.names(s)}),
-            "shapes": {index[id(p)]: list(p.shape) for p in engine.table.params},
-            "orders": {index[id(p)]: _dim_order(p) for p in engine.table.params}}
+def _describe(view) -> dict:
+    index = canonical.param_index(view.opt)
+    return {"format": FORMAT, "kind": view.algo.kind,
+            "state": sorted({_state_key(n) for s in view.layout.shards() for n in view.layout.names(s)}),
+            "shapes": {index[id(p)]: list(p.shape) for p in view.table.params},
+            "orders": {index[id(p)]: _dim_order(p) for p in view.table.params}}
 
 
-def sharded_state_dict(engine) -> dict:
+def sharded_state_dict(view) -> dict:
     """Every rank must call it. The 8-bit moments' scales travel in the ``fused_zero`` entry, which DCP
     writes once, from one rank, so every rank must hold all of them: with 8-bit moments, one
     ``all_gather_object`` of the blocks' first elements and scales (12 bytes a block) in the shard
     group; nothing else is communicated."""
-    engine.synchronize()
-    index = canonical.param_index(engine.opt)
+    view.synchronize()
+    index = canonical.param_index(view.opt)
     state, regions, parts = {}, {}, {}
-    group = engine.ranks.topology.shard_group
-    mesh = None if group is None else DeviceMesh.from_group(group, engine.ranks.device.type)
+    group = view.ranks.topology.shard_group
+    mesh = None if group is None else DeviceMesh.from_group(group, view.ranks.device.type)
     stored, blocks = {}, {}
-    counts = engine.counts()
-    for i, p in enumerate(engine.table.params):
-        shard, local = engine.layout.where(i)
+    counts = view.counts()
+    for i, p in enumerate(view.table.params):
+        shard, local = view.layout.where(i)
         mine = _owned(shard.layout.owners(local, shard.layout.rank), shard.layout.rank)
         entry = {"step": torch.tensor(float(counts[i]), dtype=torch.float32, device="cpu")}  # torch.optim's
-        for name in engine.layout.names(shard):
-            dtype = _saved_dtype(engine, i, name, compact=mesh is not None)
+        for name in view.layout.names(shard):
+            dtype = _saved_dtype(view, i, name, compact=mesh is not None)
             if dtype in STORED:  # copies of the stored runs
-                part = _part_of(shard, int(engine.table.pids[i]), name, dtype, parts) if mine else None
+                part = _part_of(shard, int(view.table.pids[i]), name, dtype, parts) if mine else None
                 chunks = [part.stored(name, off, hi - lo).clone() for lo, hi, off in mine]
             else:
                 if (id(shard), name) not in regions:
@@ -119,16 +119,16 @@ def sharded_state_dict(engine) -> dict:
                 chunks = [region[off:off + hi - lo].clone() if live and mesh is not None
                           else region[off:off + hi - lo] for lo, hi, off in mine]
             key = _state_key(name)
-            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, engine.ranks.device, dtype)
+            entry[key] = _tensor(chunks, [lo for lo, _, _ in mine], p.numel(), mesh, view.ranks.device, dtype)
             if dtype in STORED:
                 stored.setdefault(index[id(p)], {})[key] = STORED[dtype]
-        entry.update(canonical.kept_entries(engine, i))  # replicated: the same on every rank
+        entry.update(canonical.kept_entries(view, i))  # replicated: the same on every rank
         state[index[id(p)]] = entry
-    if mesh is not None and "8bit" in engine.table.state_formats and not engine.layout.holding:  # alike on every rank
-        blocks = _gather_blocks(engine, index, group)
-    describe = dict(_describe(engine), stored=stored, blocks=blocks)
+    if mesh is not None and "8bit" in view.table.state_formats and not view.layout.holding:  # alike on every rank
+        blocks = _gather_blocks(view, index, group)
+    describe = dict(_describe(view), stored=stored, blocks=blocks)
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
-    return {"state": state, "fused_zero": (canonical.packed_groups(engine.opt, index), describe)}
+    return {"state": state, "fused_zero": (canonical.packed_groups(view.opt, index), describe)}
 
 
 def _part_of(shard, pid: int, name: str, dtype: torch.dtype, parts: dict):
@@ -143,26 +143,26 @@ def _part_of(shard, pid: int, name: str, dtype: torch.dtype, parts: dict):
     return part
 
 
-def _saved_dtype(engine, i: int, name: str, compact: bool) -> torch.dtype:
+def _saved_dtype(view, i: int, name: str, compact: bool) -> torch.dtype:
     """What a parameter's state tensor is saved as, the same on every rank (DCP keeps one rank's
     metadata): its format's dtype, but fp32 for masters, without a process group (``compact`` False: no
     DTensor receives into fp32), and for 8-bit moments a load holds in fp32 until DDP's rebuild."""
-    fmt = engine.table.state_formats[i]
-    if name == "master" or not compact or (engine.layout.holding and fmt == "8bit"):
+    fmt = view.table.state_formats[i]
+    if name == "master" or not compact or (view.layout.holding and fmt == "8bit"):
         return torch.float32
     return DTYPES[fmt]
 
 
-def _gather_blocks(engine, index, group) -> dict:
+def _gather_blocks(view, index, group) -> dict:
     """``(parameter index, state key) -> (first elements, scales)`` of every 8-bit block of every rank
     of the shard group, in element order (host tensors): each rank sends the rows of its own runs (the
     tail's are rank 0's, as its chunks are). Worked out in numpy: nothing here touches the device but
     the one read of each part's scales."""
     mine: dict[tuple, list] = {}
-    params = engine.table.engine_params  # the part tables' indices are the engine's
-    for shard in engine.layout.shards():
+    params = view.table.engine_params  # the part tables' indices are the engine's
+    for shard in view.layout.shards():
         me, layout = shard.layout.rank, shard.layout
-        for part in engine.layout.parts(shard):
+        for part in view.layout.parts(shard):
             names = [n for n, t in part.state.items() if t.dtype == torch.uint8]
             if not names:
                 continue
@@ -188,20 +188,20 @@ def _gather_blocks(engine, index, group) -> dict:
     return out
 
 
-def load_sharded_state_dict(engine, sd) -> None:
+def load_sharded_state_dict(view, sd) -> None:
     error = None
     try:
-        plan = _check(engine, sd)
+        plan = _check(view, sd)
     except StateDictError as e:
         error, plan = str(e), None
     except Exception as e:
         error, plan = f"the sharded state dict is malformed ({type(e).__name__}: {e})", None
-    checks.agree(engine, error)
-    _apply(engine, *plan)
+    checks.agree(view, error)
+    _apply(view, *plan)
 
 
-def _check(engine, sd):
-    algo = engine.algo
+def _check(view, sd):
+    algo = view.algo
     meta = sd.get("fused_zero") if isinstance(sd, dict) else None
     if not (isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[1], dict)):
         raise StateDictError("not a fused_zero sharded state dict (no 'fused_zero' entry)")
@@ -212,7 +212,7 @@ def _check(engine, sd):
                              f"{', '.join(map(str, READS))}: load it with the fused_zero that saved it and save "
                              "it as the canonical state_dict(), which loads at any version")
     checks.check_structure({"state": sd.get("state"), "param_groups": groups}, algo)
-    mine = _describe(engine)
+    mine = _describe(view)
     if registry.KINDS.get(saved["kind"]) is not type(algo):
         raise StateDictError(f"the checkpoint holds {registry.title_of(saved['kind'])} state, this optimizer is "
                              f"{algo.title}")
@@ -226,26 +226,26 @@ def _check(engine, sd):
                                  f"the checkpoint's with {order or 'row-major'} (a memory format such as "
                                  "channels_last): give the parameter the memory format it was saved with, or "
                                  "convert through the canonical state_dict()")
-    groups = checks.merged_groups(engine.opt, groups)
-    checks.check_algorithm(engine, groups)
-    index = canonical.param_index(engine.opt)
-    engine.synchronize()
+    groups = checks.merged_groups(view.opt, groups)
+    checks.check_algorithm(view, groups)
+    index = canonical.param_index(view.opt)
+    view.synchronize()
     values = {}
-    for pid, p in enumerate(engine.table.params):  # the optimizer's own order
+    for pid, p in enumerate(view.table.params):  # the optimizer's own order
         i = index[id(p)]
         entry = sd["state"][i]
         where = f"parameter {i} (shape {tuple(p.shape)})"
         step = entry["step"]
         local = {"step": step}
-        shard, loc = engine.layout.where(pid)
+        shard, loc = view.layout.where(pid)
         mine_runs = _owned(shard.layout.owners(loc, shard.layout.rank), shard.layout.rank)
-        for name in engine.layout.names(shard):
+        for name in view.layout.names(shard):
             by_offset = _chunks(entry[_state_key(name)], mine_runs, p.numel())
             if sorted(by_offset) != [lo for lo, _, _ in mine_runs]:
                 raise StateDictError(f"{where}: the dict's chunks are not this optimizer's runs; call "
                                      "sharded_state_dict() again after the buckets changed")
             flat = torch.cat([by_offset[lo] for lo, _, _ in mine_runs]) if mine_runs else \
-                torch.zeros(0, dtype=torch.float32, device=engine.ranks.device)
+                torch.zeros(0, dtype=torch.float32, device=view.ranks.device)
             if saved.get("stored", {}).get(i, {}).get(_state_key(name)) == "8bit":
                 flat = _decoded(flat, mine_runs, saved.get("blocks", {}).get((i, _state_key(name))), p.numel(),
                                 name, where)
@@ -259,8 +259,8 @@ def _check(engine, sd):
         for name in algo.kept_names:
             if name in entry:
                 local[name] = entry[name]
-        required = [_state_key(n) for n in engine.layout.names(shard)] + ["step"]
-        checks.check_entry(engine, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
+        required = [_state_key(n) for n in view.layout.names(shard)] + ["step"]
+        checks.check_entry(view, pid, where, local, local[required[0]].shape if len(required) > 1 else (),
                                  required)
         values[pid] = local
     return groups, values
@@ -287,23 +287,23 @@ def _decoded(codes: torch.Tensor, runs: list, blocks, numel: int, name: str, whe
     return decode(codes, SIGNED[name]) * each
 
 
-def _apply(engine, groups, values) -> None:
-    opt = engine.opt
+def _apply(view, groups, values) -> None:
+    opt = view.opt
     for g, merged in zip(opt.param_groups, groups):
         g.update({k: v for k, v in merged.items() if k != "params"})
-    engine.algo.refresh(opt.param_groups)
-    steps, member = engine.steps, engine.table.member
-    hold = engine.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    engine.layout.holding = engine.layout.holding or hold
-    for shard in engine.layout.shards():
-        names = engine.layout.names(shard)
+    view.algo.refresh(opt.param_groups)
+    steps, member = view.steps, view.table.member
+    hold = view.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
+    view.layout.holding = view.layout.holding or hold
+    for shard in view.layout.shards():
+        names = view.layout.names(shard)
         # the state itself where it is fp32, else a region to encode from: every slot of the optimizer's
         # rows is filled below (this rank's runs, the tail from rank 0), so nothing needs decoding first
         regions = {name: shard.live(name, member) if shard.live(name, member) is not None else
                    torch.zeros(shard.layout.region_size, dtype=torch.float32, device=shard.device) for name in names}
         me = shard.layout.rank
         for local, gpid in enumerate(shard.layout.pids):
-            pid = engine.table.local_of.get(gpid)
+            pid = view.table.local_of.get(gpid)
             if pid is None:
                 continue  # another optimizer's parameter
             saved = values[pid]
@@ -313,15 +313,15 @@ def _apply(engine, groups, values) -> None:
                     regions[name][off:off + hi - lo].copy_(saved[_state_key(name)][pos:pos + hi - lo])
                 pos += hi - lo
             steps[pid] = float(saved["step"])
-            loading.load_kept(engine, pid, saved)
+            loading.load_kept(view, pid, saved)
         layout = shard.layout
         if layout.tail and layout.world_size > 1 and names:
             tail = torch.stack([regions[n][slice(*layout.region_tail(me))] for n in names])
-            collectives.broadcast(tail, 0, engine.ranks.topology.shard_group)
+            collectives.broadcast(tail, 0, view.ranks.topology.shard_group)
             for f, n in enumerate(names):
                 regions[n][slice(*layout.region_tail(me))].copy_(tail[f])
         for name in names:  # every rank cuts the tail into the same blocks: the same codes everywhere
             if regions[name] is not shard.live(name, member):
                 shard.load_values(name, regions[name], hold, member)
-    engine.steps = steps
-    engine.layout.masters_loaded()
+    view.steps = steps
+    view.layout.masters_loaded()

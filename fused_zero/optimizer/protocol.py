@@ -78,7 +78,7 @@ def join_group(opt) -> None:
         raise
     added_groups.join(engine, member, pids, default)
     opt._view = MemberView(engine, member)  # its parameter table, with the group's
-    opt._peers.engine = opt._view
+    opt._peers.view = opt._view
     opt.state = type(opt.state)(opt._view)
 
 

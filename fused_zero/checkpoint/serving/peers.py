@@ -67,9 +67,9 @@ class CheckpointSyncError(RuntimeError):
     """``state_dict()`` could not be served; raised on the calling ranks, with what to do."""
 
 
-def peers_for(engine) -> CheckpointPeers:
+def peers_for(view) -> CheckpointPeers:
     """This optimizer's side of ``state_dict()`` across ranks; at ``attach``, on every rank."""
-    return CheckpointPeers(engine, server_for(engine.ranks.group) if engine.ranks.world > 1 else None)
+    return CheckpointPeers(view, server_for(view.ranks.group) if view.ranks.world > 1 else None)
 
 
 class CheckpointPeers:
@@ -80,8 +80,8 @@ class CheckpointPeers:
         server: the group's ShardServer (None at world size 1); ``number`` this optimizer's there.
     """
 
-    def __init__(self, engine, server: ShardServer | None):
-        self.engine = engine
+    def __init__(self, view, server: ShardServer | None):
+        self.view = view
         self.server = server
         self.versions = Versions()  # what serving each recent version needs (published.py)
         self.number = server.register(self) if server is not None else None
@@ -96,7 +96,7 @@ class CheckpointPeers:
 
     def published(self, by_step: bool = True) -> None:
         """A step (``by_step``) or a load completed on this rank: its state may be served as this version."""
-        e = self.engine
+        e = self.view
         if self.server is None:
             return
         # step() has joined the side stream: the current stream is after it
@@ -106,7 +106,7 @@ class CheckpointPeers:
     def state_dict(self, to: int | None, make_builder):
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
         built. Returns the dict, or None on ranks other than ``to``."""
-        e = self.engine
+        e = self.view
         if e.iteration.invoked and e.table.member not in e.iteration.stepped:
             raise CheckpointSyncError("optimizer.state_dict() was called between a backward and optimizer.step(): "
                                       "the state is served as it is after a step; " + USAGE)
@@ -138,15 +138,15 @@ class CheckpointPeers:
     def _post(self, ranks: list[int], message: dict) -> None:
         try:
             for r in ranks:
-                self.server.inbox.post(r, {**message, "src": self.engine.ranks.rank})
+                self.server.inbox.post(r, {**message, "src": self.view.ranks.rank})
         except Exception as err:  # the store is gone: so is whoever hosted it
-            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.engine.ranks.rank} cannot reach the other "
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {self.view.ranks.rank} cannot reach the other "
                                       f"ranks through the process group's store ({type(err).__name__}: {err})"
                                       ) from None
 
     def _fetch_from(self, src: int, k: int, builder) -> None:
         """Ask rank ``src`` for its slices and add them to ``builder``, ``WINDOW`` messages in flight."""
-        ch, e = self.server.channel, self.engine
+        ch, e = self.server.channel, self.view
         self._post([src], {"kind": "serve", "number": self.number, "version": self.version, "k": k,
                            "fingerprint": builder.fingerprint})
         # no gloo message before src has taken the request (and so serves it before it exits): a
@@ -184,7 +184,7 @@ class CheckpointPeers:
     def _await_served(self, to: int) -> None:
         """``state_dict(to=r)`` on a rank other than r: wait until r has asked for this version (up to
         JOIN_DEADLINE_S) and this rank has served it."""
-        server, version, me = self.server, self.version, self.engine.ranks.rank
+        server, version, me = self.server, self.version, self.view.ranks.rank
 
         def announcement():
             queue = server.announced.get((self.number, to))
@@ -229,10 +229,10 @@ class CheckpointPeers:
             mine, record = versions.newest, versions.get(version)
         if record is None:
             late = f", and it did not get there within {channel.JOIN_DEADLINE_S:.0f} s" if mine < version else ""
-            return (f"rank {self.engine.ranks.rank} is at version {mine} (completed steps and loads), the requester at "
+            return (f"rank {self.view.ranks.rank} is at version {mine} (completed steps and loads), the requester at "
                     f"{version}{late}: " + USAGE), None
         if record.fingerprint != fingerprint:
-            return (f"rank {self.engine.ranks.rank} holds another bucket layout than the requester's at the same "
+            return (f"rank {self.view.ranks.rank} holds another bucket layout than the requester's at the same "
                     "version"), None
         return "", record
 
@@ -255,7 +255,7 @@ class CheckpointPeers:
         done (``events``: that version's, never a later one's; module docstring, GPU), the decoding
         included."""
         lo, _ = shard.layout.region_slice(shard.layout.rank)
-        api = self.engine.side.api
+        api = self.view.side.api
         if api is None:
             return shard.values(name)[lo:lo + shard.layout.shard].contiguous()
         if self._stream is None:

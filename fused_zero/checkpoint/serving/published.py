@@ -71,13 +71,13 @@ class Versions:
         self._frozen: tuple = ()  # (key, slices, fingerprint) of the newest distinct state
         self.waiting = False
 
-    def publish(self, engine, events: tuple, by_step: bool = True) -> None:
-        shards = engine.layout.shards()
+    def publish(self, view, events: tuple, by_step: bool = True) -> None:
+        shards = view.layout.shards()
         key = tuple((id(s), tuple(id(p.state) for p in s.parts)) for s in shards)
         if not self._frozen or self._frozen[0] != key:  # the frozen dicts of the last key are alive: no id reuse
             frozen = {id(s): s.frozen() for s in shards}
-            slices = tuple((frozen[id(s)], name) for s, name in sharded_slices(engine))
-            self._frozen = (key, slices, layout_fingerprint(engine))
+            slices = tuple((frozen[id(s)], name) for s, name in sharded_slices(view))
+            self._frozen = (key, slices, layout_fingerprint(view))
         with self.cond:
             self.newest += 1
             self.kept.append(Published(self.newest, events, self._frozen[1], self._frozen[2], by_step))
