@@ -476,7 +476,7 @@ def _ready_for_the_newest(real):
         why, record = real(self, version, fingerprint)
         newest = self.versions.newest
         if not why and newest != version:
-            why = (f"rank {self.engine.ranks.rank} is at version {newest} (completed steps and loads), the "
+            why = (f"rank {self.view.ranks.rank} is at version {newest} (completed steps and loads), the "
                    f"requester at {version}: " + serving.USAGE)
         return why, record
     return ready_for_the_newest
