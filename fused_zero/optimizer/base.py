@@ -12,7 +12,6 @@ import torch
 from ..checkpoint import canonical, loading, serving, sharded
 from ..options import ShardingOptions, normalize_options
 from ..pipeline.engine import Engine
-from ..pipeline.members import MemberView
 from . import protocol, sharing
 from .sharing import check_ddp, guard_unattached, not_attached
 
@@ -137,11 +136,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise
         self._joined = True
 
-    def _bind(self, engine: Engine, member, plan) -> None:
-        """The engine is built (optimizer/sharing.py): this optimizer is its ``member``; ``plan``, the state loaded
-        before, checked by every rank, is laid out now."""
-        self._engine, self._member = engine, member
-        self._view = MemberView(engine, member)
+    def _bind(self, engine: Engine, member, view, plan) -> None:
+        """The engine is built (optimizer/sharing.py): this optimizer is its ``member``, whose share the
+        checkpoint side reads through ``view`` (pipeline/members.py); ``plan``, the state loaded before,
+        checked by every rank, is laid out now."""
+        self._engine, self._member, self._view = engine, member, view
         if plan is not None:
             loading.apply_at_attach(self._view, plan)
         self._kept = None
