@@ -13,6 +13,7 @@ from ..checkpoint import canonical, loading, serving, sharded
 from ..options import ShardingOptions, normalize_options
 from ..pipeline.engine import Engine
 from . import protocol, sharing
+from .frameworks import FrameworkMethods
 from .sharing import check_ddp, guard_unattached, not_attached
 
 
@@ -56,7 +57,7 @@ class _ShardedState(Mapping):
     __delitem__ = __setitem__
 
 
-class _ShardedOptimizer(torch.optim.Optimizer):
+class _ShardedOptimizer(FrameworkMethods, torch.optim.Optimizer):
     """Shared plumbing: validates torch-only flags, joins the DDP module's engine when attached, forwards
     step().
 
@@ -154,14 +155,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def attached(self) -> bool:
         """Whether ``attach(ddp)`` (or ``ddp=`` at construction) has run."""
         return self._engine is not None
-
-    @property
-    def _reads_grad_at_step(self) -> bool:
-        """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
-        grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
-        unscaling) are honored as torch.optim honors them (pipeline/step_end/step_policy.py)."""
-        options = self._attached_engine("_reads_grad_at_step").options
-        return options.overlap == "step" and options.grad_reduce == "all_reduce"
 
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -266,14 +259,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return protocol.through_state_dict_hooks(self, lambda: loading.kept_state_dict(self, self._kept)
                                                  if self._engine is None
                                                  else canonical.state_dict(self._view, self._peers, to))
-
-    def _state_dict_written_by(self, writer: int) -> dict:
-        """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
-        alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
-        ranks, once ``writer`` has been served (see canonical.written_by)."""
-        return protocol.through_state_dict_hooks(
-            self, lambda: loading.kept_state_dict(self, self._kept) if self._engine is None  # no communication
-            else canonical.written_by(self._view, self._peers, writer))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after
