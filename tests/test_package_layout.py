@@ -22,6 +22,10 @@ functions count too). Also held here: no module over 400 lines, no class over 25
 Inside pipeline/ the same holds between its rooms (sub-packages), from the bottom up: comm, buckets,
 reducing, updating, step_end, then the modules directly in pipeline/ (the engine and what sits beside
 it, at most 8). A room imports only the rooms below it, never one above, nor the engine's modules.
+
+Narrow faces: a module outside pipeline/ reads at most 8 attributes of the engine or of a member's view;
+inside it, at most 8 of the engine or of a face (the types in PIPELINE_FACES) and writes none, and the
+engine hands itself to no stage. The integrations read no private attribute of fused_zero's objects.
 """
 
 import ast

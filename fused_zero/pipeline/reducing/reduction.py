@@ -59,6 +59,7 @@ class Reduced:
 class Reduction:
     """Attributes:
         topology: the groups (pipeline/buckets/topology.py).
+        side, device: the side stream the used flags are uploaded and all-reduced on, and their device.
         track_used: whether DDP may leave parameters without a gradient (find_unused_parameters or
             static_graph), so that which ones got one must be learned.
         used_local: per parameter, whether this rank produced a gradient in this iteration (written by
