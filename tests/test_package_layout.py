@@ -348,7 +348,8 @@ def test_an_upward_import_is_named(module, source, expected):
 
 
 ENGINE_FACES = 8
-"""The most attributes a module outside pipeline/ reads of the engine or of a member's view of it."""
+"""The most attributes a module reads of the engine or of a face of it (outside pipeline/: a member's view;
+inside: PIPELINE_FACES)."""
 ENGINE_NAMES = ("engine", "_engine", "e", "view", "_view", "target")
 """The names the engine and the checkpoint side's views go by (pipeline/members.MemberView, and
 checkpoint/loading.Target, which stands in for it before the engine exists)."""
