@@ -66,9 +66,9 @@ def attach(accelerator, model, optimizer, **options) -> None:
                         "Accelerator(cpu=True))")
     if scaler is not None:
         options = {**options, "grad_scaler": scaler}
-    options = {**options, **_default_overlap({**opt._options, **options})}
+    options = {**options, **_default_overlap({**opt.sharding_options, **options})}
     opt.attach(model, **options)  # a TypeError naming what prepare returned unless it is a DDP module
-    if not opt._reads_grad_at_step:  # else Accelerate's own clipping and unscaling edit what step() reads
+    if not opt.reads_grad_at_step:  # else Accelerate's own clipping and unscaling edit what step() reads
         _route_clipping(accelerator, opt)
         if scaler is not None:
             _keep_unscaling_out(accelerator, opt)
@@ -105,7 +105,7 @@ def _save_from_the_writing_ranks(accelerator, opt: _ShardedOptimizer) -> None:
     def saved_state() -> dict:
         if accelerator.project_configuration.save_on_each_node:
             return whole() if _writes_here(accelerator) else {}
-        return opt._state_dict_written_by(0)  # the main process: global rank 0
+        return opt.state_dict_written_by(0)  # the main process: global rank 0
 
     def save_state(*args, **kwargs):
         opt.state_dict = saved_state  # what AcceleratedOptimizer.state_dict() returns, within save_state only
@@ -130,7 +130,7 @@ def _writes_here(accelerator) -> bool:
 def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
     """Accelerate's GradScaler must be the optimizer's (it scales the loss of every backward, which the
     optimizer's update divides by), in a mode that can take one."""
-    own = opt._options.get("grad_scaler") or options.get("grad_scaler")
+    own = opt.sharding_options.get("grad_scaler") or options.get("grad_scaler")
     if own is not None and own is not scaler:
         raise ValueError("the optimizer was given grad_scaler=..., but Accelerate steps it through "
                          + ("its own GradScaler (accelerator.scaler)" if scaler is not None else
@@ -139,7 +139,7 @@ def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: di
     if scaler is None:
         return
     check_whole_step("mixed_precision='fp16' (a GradScaler; mixed_precision='bf16' needs none)", "scaler",
-                     options.get("overlap", opt._options.get("overlap", "auto")))
+                     options.get("overlap", opt.sharding_options.get("overlap", "auto")))
 
 
 def _keep_unscaling_out(accelerator, opt: _ShardedOptimizer) -> None:
@@ -187,11 +187,10 @@ class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
 
 
 def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimizer) -> None:
-    engine, m = opt._engine, opt._member.index
-    counts = [engine.skipped[m].clone()]  # the optimizer's skipped-step counter, as of the last step
+    counts = [opt.skipped_steps_on_device()]  # the optimizer's skipped-step counter, as of the last step
 
     def after_step(*_):
-        now = engine.skipped[m].clone()
+        now = opt.skipped_steps_on_device()
         accelerated._fused_zero_skipped = now != counts[0]  # device tensors: read only when asked
         counts[0] = now
 
@@ -204,7 +203,7 @@ def _route_clipping(accelerator, opt: _ShardedOptimizer) -> None:
     """Accelerate clips ``param.grad`` between the backward and ``step()``, which this optimizer's update
     does not read (its mode reads its own reduced slices, or ran in the backward): so a clip of the
     optimizer's parameters becomes its next ``step()``'s ``max_grad_norm`` (see ``ClipRoute``)."""
-    ours = {id(p) for p in opt._engine.params}
+    ours = {id(p) for p in opt.reduced_parameters()}
     route = ClipRoute(opt)
     clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
 
@@ -246,14 +245,15 @@ class ClipRoute:
     """
 
     def __init__(self, opt: _ShardedOptimizer):
-        self.engine = opt._engine
-        self.base = self.engine.max_grad_norm  # the optimizer's own, restored after each step
+        self.opt = opt
+        self.device = opt.reduced_parameters()[0].device  # the updates' (and their norm's)
+        self.base = opt.max_grad_norm  # the optimizer's own, restored after each step
         self.norm: torch.Tensor | None = None  # what this step's calls return
         self.clipped: float | None = None  # this step's clip
 
     def __call__(self, max_norm, norm_type=2) -> torch.Tensor:
-        e = self.engine
-        check_whole_step("clip_grad_norm_ of a fused_zero optimizer's parameters", "clip", e.overlap, RuntimeError)
+        opt = self.opt
+        check_whole_step("clip_grad_norm_ of a fused_zero optimizer's parameters", "clip", opt.overlap, RuntimeError)
         if float(norm_type) != 2.0:
             raise ValueError(f"fused_zero clips by the 2-norm; got norm_type={norm_type}")
         max_norm = float(max_norm)
@@ -266,24 +266,22 @@ class ClipRoute:
                 "gradients (what torch returns now). The first call's result holds the pre-clip norm once "
                 "step() has run: read that one")
         if max_norm != math.inf:
-            if e.overlap == "backward" and max_norm != self.base:
+            if opt.overlap == "backward" and max_norm != self.base:
                 raise RuntimeError(
                     f"clip_grad_norm_(max_norm={max_norm}) with overlap='backward': the update ran inside the "
                     f"backward, clipped to the optimizer's max_grad_norm={self.base}; build the optimizer with "
                     f"max_grad_norm={max_norm} (or use overlap='step')")
-            e.max_grad_norm = self.clipped = max_norm
+            opt.max_grad_norm = self.clipped = max_norm
         if self.norm is None:
-            self.norm = torch.full((), math.nan, dtype=torch.float32, device=e.device)
+            self.norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         return self.norm
 
     def step_ended(self, *_) -> None:
         """Step post-hook: the returned norm gets its value; the next step clips as configured."""
-        e = self.engine
-        if self.norm is not None and e.grad_sumsq is not None:
-            if e.device.type == "cuda":  # read on this stream; written on the side stream, which step() joined
-                e.grad_sumsq.record_stream(torch.cuda.current_stream(e.device))
-            self.norm.copy_(e.grad_sumsq.sqrt())
-        e.max_grad_norm, self.norm, self.clipped = self.base, None, None
+        norm = self.opt.grad_norm() if self.norm is not None else None  # read on this stream
+        if norm is not None:
+            self.norm.copy_(norm)
+        self.opt.max_grad_norm, self.norm, self.clipped = self.base, None, None
 
 
 def _unshare_saved_weights(accelerator, ddp) -> None:

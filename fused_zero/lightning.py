@@ -89,12 +89,12 @@ class FusedZeroStrategy(DDPStrategy):
             options["max_grad_norm"] = clip
         scaler = self._loss_scaler(opt)
         if opt.attached:  # built with ddp=self.trainer.strategy.model: nothing left to do but check
-            if opt._engine.ddp is not self.model:
+            if not opt.attached_to(self.model):
                 raise RuntimeError("the optimizer is attached to another DDP module than the strategy's")
             if options:
                 raise ValueError(f"the optimizer was attached in configure_optimizers; give {sorted(options)} "
                                  "there, not to FusedZeroStrategy")
-            if opt._options.get("grad_scaler") is not scaler:
+            if opt.sharding_options.get("grad_scaler") is not scaler:
                 raise ValueError("the optimizer was attached in configure_optimizers without Lightning's "
                                  "GradScaler: give it grad_scaler=self.trainer.precision_plugin.scaler there, "
                                  "or leave ddp= out and let FusedZeroStrategy attach it")
@@ -124,7 +124,7 @@ class FusedZeroStrategy(DDPStrategy):
         backward on (``grad_scaler=``); None without one. Refused where the mode cannot take it, or
         where the optimizer was given a scaler Lightning does not step through."""
         scaler = getattr(self.precision_plugin, "scaler", None)
-        own = opt._options.get("grad_scaler")
+        own = opt.sharding_options.get("grad_scaler")
         if own is not None and own is not scaler:
             raise ValueError("the optimizer was given grad_scaler=..., but Lightning steps it through "
                              + ("its own GradScaler" if scaler is not None else "no GradScaler (this precision "
@@ -138,7 +138,7 @@ class FusedZeroStrategy(DDPStrategy):
     def _overlap(self, opt: _ShardedOptimizer) -> str:
         """The overlap mode given (to the strategy or the optimizer); "auto" resolves at attach from the
         clip and the scaler mapped here."""
-        return self._sharding.get("overlap", opt._options.get("overlap", "auto"))
+        return self._sharding.get("overlap", opt.sharding_options.get("overlap", "auto"))
 
     def _wrap_clipping(self, opt: _ShardedOptimizer) -> None:
         """Lightning clips ``param.grad`` between the backward and ``step()``; the optimizer clips the
@@ -164,5 +164,5 @@ class FusedZeroStrategy(DDPStrategy):
         """The optimizer's canonical state dict on global rank 0, the rank whose checkpoint is written
         (module docstring), gathered there alone; ``{}`` on the other ranks, once rank 0 has been served.
         A subclass whose ``save_checkpoint`` writes from other ranks must gather to them instead."""
-        return getattr(optimizer, "_optimizer", optimizer)._state_dict_written_by(0)
+        return getattr(optimizer, "_optimizer", optimizer).state_dict_written_by(0)
 

@@ -77,7 +77,7 @@ def _optimizer_options(trainer) -> dict | None:
         opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         if not isinstance(opt, _ShardedOptimizer):
             raise TypeError(_not_ours(type(opt)))
-        return dict(opt._options)
+        return opt.sharding_options
     if trainer.optimizer_cls_and_kwargs is not None:
         cls, kwargs = trainer.optimizer_cls_and_kwargs
         if not (isinstance(cls, type) and issubclass(cls, _ShardedOptimizer)):
@@ -139,7 +139,7 @@ def _attach_prepared(accelerator, trainer, prepared: AcceleratedOptimizer, items
     if opt.attached:  # a later train() call: prepared again, attached once
         return
     if not settled:  # built by the Trainer subclass's create_optimizer
-        options = {**options, **_settings(trainer.args, {**opt._options, **options})}
+        options = {**options, **_settings(trainer.args, {**opt.sharding_options, **options})}
     models = [m for m in items if isinstance(m, DistributedDataParallel)]
     models += [m for m in getattr(accelerator, "_models", []) if isinstance(m, DistributedDataParallel)]
     model = models[0] if models else next((m for m in items if not isinstance(m, AcceleratedOptimizer)), None)

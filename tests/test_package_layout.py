@@ -26,9 +26,14 @@ pipeline/comm/ calls a torch.distributed collective (COLLECTIVES_ELSEWHERE names
 Inside pipeline/ the same holds between its rooms (sub-packages), from the bottom up: comm, gathering,
 buckets, reducing, updating, step_end, then the modules directly in pipeline/ (the engine and what sits beside
 it, at most 8). A room imports only the rooms below it, never one above, nor the engine's modules.
+
+Narrow faces: a module outside pipeline/ reads at most 8 attributes of the engine or of a member's view;
+inside it, at most 8 of the engine or of a face (the types in PIPELINE_FACES) and writes none, and the
+engine hands itself to no stage. The integrations read no private attribute of fused_zero's objects.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -530,7 +535,8 @@ def test_a_form_importing_the_serving_room_is_named():
 
 
 ENGINE_FACES = 8
-"""The most attributes a module outside pipeline/ reads of the engine or of a member's view of it."""
+"""The most attributes a module reads of the engine or of a face of it (outside pipeline/: a member's view;
+inside: PIPELINE_FACES)."""
 ENGINE_NAMES = ("engine", "_engine", "e", "view", "_view", "target")
 """The names the engine and the checkpoint side's views go by (pipeline/members.MemberView, and
 checkpoint/loading.Target, which stands in for it before the engine exists)."""
@@ -566,3 +572,196 @@ def test_outside_the_pipeline_a_module_reads_few_of_the_engines_attributes():
 def test_the_engine_attribute_count_sees_a_wide_reader():
     wide = "def f(engine, view):\n    return engine.a, engine.b(), view.c, self.engine.d\n"
     assert engine_attributes(ast.parse(wide)) == {"a", "b", "c", "d"}
+
+
+# ---------------------------------------------------------------------- inside pipeline/: narrow faces
+
+PIPELINE_FACES = ("Engine", "Parameters", "ShardingOptions", "HookTargets", "MemberView", "StateLayout",
+                  "ParamTable", "Ranks")
+"""The engine and the faces a stage is built with in its place, by type name: the parameter table
+(pipeline/buckets/params.py), the options, the hooks' targets (pipeline/reducing/hooks.py), and a
+member's view and its parts (pipeline/members.py)."""
+
+
+ENGINE_NAMES_INSIDE = ("engine", "_engine", "e")
+"""The names the engine goes by inside pipeline/ (a member's view there is typed: ``view`` is a tensor's)."""
+
+
+def _is_face(annotation) -> bool:
+    """Whether an annotation names the engine or a face (``Parameters``, ``"Parameters | None"``)."""
+    if annotation is None:
+        return False
+    text = annotation.value if isinstance(annotation, ast.Constant) else ast.unparse(annotation)
+    return isinstance(text, str) and any(name in PIPELINE_FACES for name in re.findall(r"\w+", text))
+
+
+def _pairs(node):
+    """(target, value) of an assignment, tuples element by element."""
+    if isinstance(node, ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) \
+                    and len(target.elts) == len(node.value.elts):
+                yield from zip(target.elts, node.value.elts)
+            else:
+                yield target, node.value
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        yield node.target, node.value
+
+
+def _holds(node, names: set, attrs: set) -> bool:
+    """Whether ``node`` is a name holding a face, or ``self.<attribute holding one>``."""
+    if isinstance(node, ast.Name):
+        return node.id in names
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+        and node.attr in attrs
+
+
+def _face_names(function, attrs: set) -> set[str]:
+    """The names holding a face in ``function``: its parameters annotated with one, the names the engine
+    goes by (ENGINE_NAMES_INSIDE: ``engine = self.engine()``), the local names annotated with one (``targets:
+    HookTargets = self.targets()``), and those assigned from any of these (``f = self.table``)."""
+    args = function.args
+    names = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+             if a.arg not in ("self", "cls") and (a.arg in ENGINE_NAMES_INSIDE or _is_face(a.annotation))}
+    names |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and n.id in ENGINE_NAMES_INSIDE}
+    names |= {n.target.id for n in ast.walk(function)
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and _is_face(n.annotation)}
+    for _ in range(2):  # e = engine; f = e
+        for node in ast.walk(function):
+            for target, value in _pairs(node):
+                if isinstance(target, ast.Name) and _holds(value, names, attrs):
+                    names.add(target.id)
+    return names
+
+
+def face_access(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """The distinct attribute names a module reads, and those it writes, of the engine or a face: off a
+    parameter annotated with one or named as the engine goes, a local name or a ``self`` attribute
+    assigned from one, or a class field annotated with one. What a class builds itself (the engine its
+    own faces) is its own, not read through a face."""
+    reads, writes = set(), set()
+
+    def count(function, attrs: set) -> None:
+        names = _face_names(function, attrs)
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and _holds(node.value, names, attrs):
+                (reads if isinstance(node.ctx, ast.Load) else writes).add(node.attr)
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        attrs = {n.target.id for n in cls.body
+                 if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and _is_face(n.annotation)}
+        methods = [n for n in cls.body if isinstance(n, functions)]
+        for method in methods:
+            names = _face_names(method, attrs)
+            for node in ast.walk(method):
+                for target, value in _pairs(node):
+                    if isinstance(target, ast.Attribute) and _holds(target, set(), {target.attr}) \
+                            and _holds(value, names, attrs):
+                        attrs.add(target.attr)
+        for method in methods:
+            count(method, attrs)
+    for function in (n for n in ast.walk(tree) if isinstance(n, functions)):
+        count(function, set())
+    return reads, writes
+
+
+def _pipeline_modules():
+    return [(m, p) for m, p in modules() if m.split(".")[:2] == ["fused_zero", "pipeline"]]
+
+
+@pytest.mark.parametrize("module,path", _pipeline_modules(), ids=[m for m, _ in _pipeline_modules()])
+def test_inside_the_pipeline_a_module_reads_few_attributes_of_the_engine_or_a_face(module, path):
+    """Each stage is built with what it uses (the parameter table, the options, the objects it calls), not
+    the engine to read at will: at most ENGINE_FACES distinct attributes of the engine or of its faces per
+    module of pipeline/, and none written (the engine's own module builds them: not counted)."""
+    reads, writes = face_access(ast.parse(path.read_text()))
+    assert len(reads) <= ENGINE_FACES, f"{module} reads {len(reads)} attributes of the engine or its faces: " \
+                                       f"{sorted(reads)}"
+    assert not writes, f"{module} writes attributes of the engine or its faces: {sorted(writes)}"
+
+
+def test_the_face_count_sees_a_wide_reader():
+    wide = ("class Stage:\n"
+            "    table: Parameters\n"
+            "    def __init__(self, parameters: Parameters, engine, other):\n"
+            "        self.held, self.engine, self.plain = parameters, engine, other\n"
+            "    def f(self, options: 'ShardingOptions | None'):\n"
+            "        f = self.held\n"
+            "        self.engine.g = self.plain.not_a_face\n"
+            "        return f.a, self.engine.b(), self.held.c, options.d, self.table.h\n"
+            "def free(view: MemberView, x):\n"
+            "    held: HookTargets | None = x.deref()\n"
+            "    engine = x.deref()\n"
+            "    return view.i, x.not_a_face, held.j, engine.k\n")
+    assert face_access(ast.parse(wide)) == ({"a", "b", "c", "d", "h", "i", "j", "k"}, {"g"})
+
+
+def engine_handed_out(source: str) -> list[str]:
+    """The calls in the Engine class that hand the engine (``self``) to another object, but for an
+    algorithm's own check (``algo.check_engine``: update/, outside pipeline/, held by the outside count)."""
+    out = []
+    for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "Engine"):
+        for node in (n for n in ast.walk(cls) if isinstance(n, ast.Call)):
+            given = (*node.args, *(k.value for k in node.keywords))
+            if any(isinstance(a, ast.Name) and a.id == "self" for a in given) \
+                    and not ast.unparse(node.func).endswith(".check_engine"):
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_engine_hands_itself_to_no_stage():
+    """No stage is built with the engine (Stepping among them: an object the engine owns, no mixin)."""
+    source = (PIPELINE / "engine.py").read_text()
+    assert engine_handed_out(source) == []
+    bases = [ast.unparse(b) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "Engine"
+             for b in n.bases]
+    assert bases == [], f"the Engine inherits {bases}: its parts are objects it owns"
+
+
+def test_an_engine_handed_out_is_named():
+    source = ("class Engine:\n    def __init__(self):\n"
+              "        self.updates = Updates(self)\n        m.algo.check_engine(self, m)\n"
+              "        self.policy = StepPolicy(engine=self)\n")
+    assert [line.split(":")[0] for line in engine_handed_out(source)] == ["line 3", "line 5"]
+
+
+# ---------------------------------------------------------------------- the integrations: public methods only
+
+FRAMEWORK_PRIVATES = {
+    "_optimizers": "accelerate.Accelerator's prepared optimizers (no public list)",
+    "_models": "accelerate.Accelerator's prepared models (no public list)",
+    "_optimizer": "lightning's LightningOptimizer's wrapped optimizer (no public name)",
+}
+"""The frameworks' own private attributes an integration must read, and why; names beginning with
+``_fused_zero_`` are fused_zero's own marks on the frameworks' objects."""
+
+
+def private_attributes(tree: ast.AST) -> set[str]:
+    """The private attributes (one leading underscore) a module reads or writes of anything but ``self``,
+    by dot or by name (``getattr(x, "_name")``), but for FRAMEWORK_PRIVATES and fused_zero's marks."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            found.add(node.args[1].value)
+    return {name for name in found if name.startswith("_") and not name.startswith("__")
+            and name not in FRAMEWORK_PRIVATES and not name.startswith("_fused_zero_")}
+
+
+@pytest.mark.parametrize("name", INTEGRATIONS)
+def test_the_integrations_call_public_methods_only(name):
+    """A framework's wrapper of a fused_zero optimizer calls its public methods (optimizer/frameworks.py),
+    never its internals (the engine, its options as kept)."""
+    found = private_attributes(ast.parse((ROOT / "fused_zero" / f"{name}.py").read_text()))
+    assert not found, f"fused_zero/{name}.py reads private attributes: {sorted(found)}"
+
+
+def test_a_private_read_is_named():
+    source = ("def f(opt, accelerator, optimizer):\n"
+              "    accelerator._optimizers, self._mine, opt.__class__, opt._fused_zero_mark\n"
+              "    return opt._engine.ddp, getattr(optimizer, '_optimizer', optimizer)._written(0)\n")
+    assert private_attributes(ast.parse(source)) == {"_engine", "_written"}

@@ -13,8 +13,8 @@ from ..checkpoint import canonical, loading, sharded
 from ..checkpoint.serving import peers
 from ..options import ShardingOptions, normalize_options
 from ..pipeline.engine import Engine
-from ..pipeline.members import MemberView
 from . import protocol, sharing
+from .frameworks import FrameworkMethods
 from .sharing import check_ddp, guard_unattached, not_attached
 
 
@@ -58,7 +58,7 @@ class _ShardedState(Mapping):
     __delitem__ = __setitem__
 
 
-class _ShardedOptimizer(torch.optim.Optimizer):
+class _ShardedOptimizer(FrameworkMethods, torch.optim.Optimizer):
     """Shared plumbing: validates torch-only flags, joins the DDP module's engine when attached, forwards
     step().
 
@@ -138,11 +138,11 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             raise
         self._joined = True
 
-    def _bind(self, engine: Engine, member, plan) -> None:
-        """The engine is built (optimizer/sharing.py): this optimizer is its ``member``; ``plan``, the state loaded
-        before, checked by every rank, is laid out now."""
-        self._engine, self._member = engine, member
-        self._view = MemberView(engine, member)
+    def _bind(self, engine: Engine, member, view, plan) -> None:
+        """The engine is built (optimizer/sharing.py): this optimizer is its ``member``, whose share the
+        checkpoint side reads through ``view`` (pipeline/members.py); ``plan``, the state loaded before,
+        checked by every rank, is laid out now."""
+        self._engine, self._member, self._view = engine, member, view
         if plan is not None:
             loading.apply_at_attach(self._view, plan)
         self._kept = None
@@ -156,14 +156,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     def attached(self) -> bool:
         """Whether ``attach(ddp)`` (or ``ddp=`` at construction) has run."""
         return self._engine is not None
-
-    @property
-    def _reads_grad_at_step(self) -> bool:
-        """Whether ``step()`` updates from ``param.grad`` as it is then (overlap="step" with
-        grad_reduce="all_reduce"), so that edits made after the backward (a framework's own clipping or
-        unscaling) are honored as torch.optim honors them (pipeline/step_end/step_policy.py)."""
-        options = self._attached_engine("_reads_grad_at_step").options
-        return options.overlap == "step" and options.grad_reduce == "all_reduce"
 
     def _attached_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -269,14 +261,6 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return protocol.through_state_dict_hooks(self, lambda: loading.kept_state_dict(self, self._kept)
                                                  if self._engine is None
                                                  else canonical.state_dict(self._view, self._peers, to))
-
-    def _state_dict_written_by(self, writer: int) -> dict:
-        """For frameworks that build the checkpoint on every rank and write it from global rank ``writer``
-        alone (Lightning, Accelerate): the whole dict there, gathered there alone; ``{}`` on the other
-        ranks, once ``writer`` has been served (see canonical.written_by)."""
-        return protocol.through_state_dict_hooks(
-            self, lambda: loading.kept_state_dict(self, self._kept) if self._engine is None  # no communication
-            else canonical.written_by(self._view, self._peers, writer))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict (ours or torch.optim's), at any world size or bucket layout, after

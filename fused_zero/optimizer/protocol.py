@@ -7,8 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..options import STATE_FORMATS, canonical_state_format, group_state_formats
-from ..pipeline import added_groups
-from ..pipeline.members import MemberView
 
 PER_OPTIMIZER = ("master_weights", "stochastic_rounding", "seed")
 """Sharding options a param group may not set (``state_format`` it may: shard.py keeps one part per format)."""
@@ -68,7 +66,7 @@ def join_group(opt) -> None:
     engine, member = opt._engine, opt._member
     default = opt._options.get("state_format", "fp32")
     try:
-        pids = added_groups.check_joining(engine, member, opt.param_groups[-1]["params"])
+        pids = engine.check_joining(member, opt.param_groups[-1]["params"])
         opt._algorithm.refresh(opt.param_groups)
         opt._algorithm.check_engine(engine, SimpleNamespace(
             name=member.name, group_formats=group_state_formats(opt.param_groups, default)))
@@ -76,8 +74,8 @@ def join_group(opt) -> None:
         opt.param_groups.pop()
         opt._algorithm.refresh(opt.param_groups)
         raise
-    added_groups.join(engine, member, pids, default)
-    opt._view = MemberView(engine, member)  # its parameter table, with the group's
+    engine.join_group(member, pids, default)
+    opt._view = engine.view(member)  # its parameter table, with the group's
     opt._peers.view = opt._view
     opt.state = type(opt.state)(opt._view)
 

@@ -151,7 +151,7 @@ class ModuleOptimizers:
             self._guard.remove()
             self._guard = None
         for o, member, plan in zip(members, engine.members, plans):
-            o._bind(engine, member, plan)
+            o._bind(engine, member, engine.view(member), plan)
 
 
 class _SettleAtFirstForward:

@@ -17,18 +17,24 @@ gather may still read it).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..options import group_state_formats
 from ..params import NO_MEMBER, member_params
-from .reducing import hooks
 from .reducing.weight_watch import refresh_masters
 
+if TYPE_CHECKING:
+    from ..options import ShardingOptions
+    from .buckets.params import Parameters
 
-def check_joining(engine, member, params: list) -> list[int]:
+
+def check_joining(parameters: Parameters, it, options: ShardingOptions, member, params: list) -> list[int]:
     """The engine's indices of ``params``, a new param group of ``member``'s optimizer, once checked:
-    parameters DDP reduces, no fused_zero optimizer's, between steps. Changes nothing."""
-    it = engine.iteration
+    parameters DDP reduces (``parameters``, the engine's table: buckets/params.py), no fused_zero
+    optimizer's, between steps (``it``: the iteration, step_end/iteration.py), valid for ``options``.
+    Changes nothing."""
     if it.invoked or it.stepped:
         raise RuntimeError(
             f"{member.name}: add_param_group() between a backward and the step of every fused_zero optimizer "
@@ -36,52 +42,50 @@ def check_joining(engine, member, params: list) -> list[int]:
             "step() (and before the next forward), as progressive unfreezing does")
     pids = []
     for p in params:
-        pid = engine.pid_of.get(p)
+        pid = parameters.pid_of.get(p)
         if pid is None:
             raise ValueError(
                 f"{member.name}: add_param_group() got a parameter of shape {tuple(p.shape)} that this DDP module "
                 "does not reduce (not one of its parameters, or frozen when DDP was built: DDP reduces the "
                 "parameters that required grad then; build the DDP module with them trainable)")
-        owner = int(engine.member_of[pid])
+        owner = int(parameters.member_of[pid])
         if owner != NO_MEMBER:
             raise ValueError(f"{member.name}: add_param_group() got a parameter of shape {tuple(p.shape)} that "
-                             f"{engine.members[owner].name} already updates: give each parameter to one optimizer")
+                             f"{parameters.members[owner].name} already updates: give each parameter to one optimizer")
         pids.append(pid)
-    engine.options.check_params(params)
+    options.check_params(params)
     return pids
 
 
-def join(engine, member, pids: list[int], default_format: str) -> None:
+def join(parameters: Parameters, member, pids: list[int], default_format: str, *, ddp, registry, weights,
+         updates) -> None:
     """``pids`` join ``member`` with its optimizer's last param group (the module docstring); its
-    algorithm has already taken the new group (``refresh``)."""
-    e = engine
-    e.synchronize()
+    algorithm has already taken the new group (``refresh``). Once every all-gather is waited for; the
+    engine registers the module hooks again after it. ``parameters``: the engine's table, written in
+    place; ``registry``, ``weights``, ``updates``: the shards (buckets/registry.py), the weights' watch
+    (reducing/weight_watch.py) and the updates' stage (updating/updates.py), which learn of the change."""
     opt = member.opt
     group = len(opt.param_groups) - 1
     member.group_formats = group_state_formats(opt.param_groups, default_format)
     for pid in pids:
-        e.member_of[pid] = member.index
-        e.group_of[pid] = group
-        e.state_formats[pid] = member.group_formats[group]
-    mine, _ = member_params(opt.param_groups, e.ddp)
-    member.pids = np.asarray([e.pid_of[p] for p in mine], dtype=np.int64)  # its own order: its param groups'
-    e._group_index.pop(member.index, None)
+        parameters.member_of[pid] = member.index
+        parameters.group_of[pid] = group
+        parameters.state_formats[pid] = member.group_formats[group]
+    mine, _ = member_params(opt.param_groups, ddp)
+    member.pids = np.asarray([parameters.pid_of[p] for p in mine], dtype=np.int64)  # its own order: its groups'
+    parameters.regrouped(member.index)
     names = member.algo.state_names()
-    changed = names != e.registry.state_names[member.index]
-    e.registry.state_names[member.index] = names
+    changed = names != registry.state_names[member.index]
+    registry.state_names[member.index] = names
     joined = set(pids)
-    shards = [s for s in e.shards()
+    shards = [s for s in registry.shards()
               if joined.intersection(s.layout.pids) or (changed and member.index in s.member_set)]
-    e.registry.rebuild(shards)
-    for shard in e.shards():
+    registry.rebuild(shards)
+    for shard in registry.shards():
         if joined.intersection(shard.layout.pids):
             refresh_masters(shard, pids)
-    e.weights.own(pids)
-    e.updates.forget_members()
-    for handle in e._module_handles:
-        handle.remove()
-    e._module_handles = []
-    hooks.register_module_hooks(e, e._module_handles)
+    weights.own(pids)
+    updates.forget_members()
 
 
 __all__ = ["check_joining", "join"]

@@ -7,23 +7,29 @@ overlap mode says so, waits for it, runs the fused update on this rank's region 
 all-gather of the updated slices into the flat parameter buffer. ``step()`` ends the iteration; the
 all-gathers are waited for there or by the forward pre-hooks.
 
-The stages live beside it: the reduction (reduction.py), the update (updates.py), the all-gather
-(gathering/gather.py), and what ``step()`` does with a user's edits of ``.grad`` and a GradScaler
-(step_policy.py); so do which shard holds which parameter and resharding (registry.py), the side stream
-(streams.py) and the hooks (hooks.py). The options and their checks are the public ones (fused_zero/options.py).
+The engine builds the stages and wires them; each is built with what it uses, never with the engine:
+the parameter table (buckets/params.py), the options, and the objects it calls (the side stream, the
+registry, the stage before it). The reduction (reduction.py), the update (updates.py), the all-gather
+(gathering/gather.py), what ``step()`` does with a user's edits of ``.grad`` and a GradScaler
+(step_policy.py), and the members' ``step()`` with the iteration's start and end (stepping.py) live in
+the rooms below; so do which shard holds which parameter and resharding (registry.py), the side stream
+(streams.py) and the hooks (hooks.py, built with ``HookTargets``). The options and their checks are the
+public ones (fused_zero/options.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
 
 import numpy as np
 import torch
 
 from ..options import ShardingOptions, group_state_formats
 from ..params import NO_MEMBER, collect_params
+from . import added_groups
 from .buckets import rebuild
 from .buckets.arena import SingleLaunch
+from .buckets.params import Parameters
 from .buckets.registry import ShardRegistry
 from .buckets.shard import BucketShard
 from .buckets.topology import Topology
@@ -31,11 +37,12 @@ from .comm.profiling import range_push
 from .comm.scratch import Scratch
 from .comm.streams import SideStream
 from .local import LocalModule
-from .members import Member
+from .members import Member, MemberView, Ranks, StateLayout
 from .reducing import hooks
-from .reducing.reduction import Reduced, Reduction
+from .reducing.reduction import Reduction
 from .reducing.weight_watch import WeightWatch
 from .step_end.amp import ScalerLink
+from .step_end.iteration import Iteration
 from .step_end.step_graph import StepGraph, check_capturable
 from .step_end.step_policy import StepPolicy
 from .step_end.stepping import Stepping
@@ -44,75 +51,21 @@ from .updating.updates import Updates
 from .updating.warmup import compile_kernels
 
 
-@dataclass
-class _Iteration:
-    """What one synced backward has done so far; replaced when it ends (every member has stepped, or, where
-    a member may leave its gradients to accumulate, the next synced backward starts: stepping.py).
-
-    Each member is torch.optim's own optimizer (pipeline/members.py): it steps, scales, skips and refuses
-    on its own, from its own gradients. What the members share is the bucket's reduction and all-gather.
-
-    Attributes (per member: indexed by the member's index):
-        hparams: each member's param groups' hyperparameters, read at the iteration's first bucket (in
-            overlap="step": at the member's ``step()``).
-        hparams_key: what they were then, to tell a later change (StepPolicy.hparams_key).
-        coefs: member -> its coefficient table of this iteration (every parameter active), on the update's
-            device; built once (in overlap="step": at the member's ``step()``), shared by every bucket.
-        counting: the step counts' bound counts this iteration (StepCounts.begin_iteration).
-        clip: the clip coefficient of this iteration (``max_grad_norm``: the global norm of every member's
-            gradients), once computed; in overlap="step" at the first member's ``step()``, as one
-            ``clip_grad_norm_(model.parameters())`` before the steps.
-        stepped: the members whose ``step()`` has been called.
-        invoked: buckets handed to the hook.
-        last_invoked: the hook has seen DDP's last bucket.
-        ready: buckets whose reduction was started and not waited for yet.
-        waited: buckets whose reduction was waited for. Both keep what a bucket's update reads until the
-            iteration's end has made the streams that allocated it wait for the side stream: the copies in
-            ``grad_reduce_dtype`` and the used flags' tables (the relay stream's).
-        grad_scale: the loss scale the reduced gradients carry (GradScaler), read at the last bucket
-            (overlap="backward"), or None.
-        found_inf: float32 ``[members]`` device flags, non-zero once an update of the member was skipped in
-            this iteration (non-finite gradients of the member on some rank, or an edit of its ``.grad``
-            that cannot be honored).
-        written: the parameters the user wrote before this iteration's updates (reducing/weight_watch.py);
-            ``wrote``: their bits, which every rank must agree on.
-    """
-
-    hparams: list[list[dict]] | None = None
-    hparams_key: list | None = None
-    coefs: dict = field(default_factory=dict)
-    counting: bool = False
-    clip: torch.Tensor | None = None
-    stepped: set = field(default_factory=set)
-    invoked: int = 0
-    last_invoked: bool = False
-    ready: list[Reduced] = field(default_factory=list)
-    waited: list[Reduced] = field(default_factory=list)
-    grad_scale: torch.Tensor | None = None
-    found_inf: torch.Tensor | None = None
-    written: list = field(default_factory=list)
-    wrote: tuple = WeightWatch.bits([])
-
-    def reduced(self) -> list[Reduced]:
-        """Every bucket reduced in this iteration so far, in bucket order."""
-        return self.waited + self.ready
-
-
-class Engine(Stepping):
+class Engine:
     """Everything the fused_zero optimizers over one DDP module do, behind the torch.optim interface (see
     optimizer/): one optimizer in most programs, several (Muon beside AdamW) as *members*
     (pipeline/members.py).
 
     Attributes (the main ones):
         members: the optimizers (Member), in the order they attached.
-        params, member_of, group_of, pid_of: the parameters DDP reduces (requiring grad), their member and
-            param group there, their index. A parameter no fused_zero optimizer updates has member
-            ``NO_MEMBER`` (params.py): reduced as DDP reduces it, its ``.grad`` DDP's average, and left to
-            its owner (a torch.optim optimizer, or none).
+        params, member_of, group_of, pid_of, state_formats: the parameters DDP reduces (requiring grad),
+            their member and param group there, their index, their state format. A parameter no
+            fused_zero optimizer updates has member ``NO_MEMBER`` (fused_zero/params.py): reduced as DDP
+            reduces it, its ``.grad`` DDP's average, and left to its owner (a torch.optim optimizer, or
+            none); ``parameters`` holds them, the one table the stages read (buckets/params.py).
         steps / step_counts: each parameter's step count (replicated on every rank), kept and counted
             on the device; ``steps`` reads it to the host, a wait only checkpoints make (step_counts.py).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
-        iteration: this iteration's progress (_Iteration).
         side: the side stream the updates run on (SideStream; inline on CPU).
         scaler: the user's GradScaler (the first member's ScalerLink: each member has its own), or None.
         graph: ``step()``'s device work replayed from CUDA graphs, one per member (``capturable=True``,
@@ -123,9 +76,8 @@ class Engine(Stepping):
             (read: ``skipped_steps``).
         reduction, updates: the pipeline's stages (reduction.py, updates.py).
         policy: what step() does with the user's edits of ``.grad`` and a GradScaler (step_policy.py).
-        grad_sumsq: the global sum of squares of the last update's reduced, unscaled gradients (a device
-            scalar; in overlap modes "step" and "backward", where one update covers every bucket: the
-            pre-clip norm squared, which the integrations' clip_grad_norm_ returns), or None.
+        stepping: the members' ``step()``, the iteration's start and end (stepping.py; ``iteration``).
+        max_grad_norm: what the next update clips to (``clip_to`` changes it for a step).
     """
 
     def __init__(self, ddp, members: list[tuple], **options):
@@ -140,8 +92,6 @@ class Engine(Stepping):
         self.overlap = self.options.overlap
         self.grad_reduce = self.options.grad_reduce
         self.max_grad_norm = self.options.max_grad_norm
-        self.param_sync = self.options.param_sync
-        self.on_nonfinite = self.options.on_nonfinite
         self.params, self.member_of, self.group_of = collect_params([opt.param_groups for opt, _, _ in members], ddp)
         self.options.check_params([p for p, m in zip(self.params, self.member_of) if m != NO_MEMBER])
         self.pid_of = {p: i for i, p in enumerate(self.params)}
@@ -153,7 +103,8 @@ class Engine(Stepping):
         self.scaler = self.members[0].scaler
         self.state_formats = [self.members[m].group_formats[g] if m != NO_MEMBER else "fp32"
                               for m, g in zip(self.member_of, self.group_of)]
-        self._group_index = {}
+        self.parameters = Parameters(self.params, self.pid_of, self.member_of, self.group_of, self.state_formats,
+                                     self.members)
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)
         for m in self.members:
@@ -165,30 +116,42 @@ class Engine(Stepping):
         self.side = SideStream(self.device)
         capturable = any(m.captured for m in self.members)
         if capturable:
-            check_capturable(self, ddp)
+            check_capturable(self.options, self.side, ddp)
         # what the device work writes besides the state: kept across steps where a graph replays it
         self.scratch = Scratch(self.device, kept=capturable)
         self.graph = StepGraph(self.side) if capturable else None
         self.step_counts = StepCounts(len(self.params), self.side)
-        self.iteration = _Iteration()
         self.skipped = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        self.reduction = Reduction(self, ddp)
-        self.updates = Updates(self)
-        self.policy = StepPolicy(self)
-        self.grad_sumsq: torch.Tensor | None = None
-        self.holding = False  # some shard holds 8-bit moments in fp32 since a load (rebuild.py)
+        self.reduction = Reduction(ddp, self.params, topo, self.options, self.side)
         self.registry = ShardRegistry(
             self.params, state_names=[m.algo.state_names() for m in self.members],
             keeps_master=self.options.keeps_master, upload=self.side.upload if self.backend == "triton" else None,
             device=self.device, topology=topo, members=self.member_of, state_formats=self.state_formats)
-
         # backward and step modes: one launch per step, dtype, member and format once DDP's buckets are stable
         self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
+        self.updates = Updates(self.parameters, self.options, topology=topo, reduction=self.reduction,
+                               side=self.side, scratch=self.scratch, step_counts=self.step_counts, graph=self.graph,
+                               single=self.single, backend=self.backend)
+        self.policy = StepPolicy(self.parameters, self.options, local=self.local, registry=self.registry,
+                                 topology=topo, side=self.side)
         if self.backend == "triton":
-            compile_kernels(self)  # warmup.py
+            compile_kernels(self.parameters, self.options, self.side)  # warmup.py
+        self._rebuild_pending = functools.partial(rebuild.pending, ddp, self.local)
+        # what the hooks reach, held weakly by them (hooks.py)
+        self._targets = hooks.HookTargets(
+            on_bucket=self.on_bucket, synchronize=self.synchronize,
+            check_refusals=functools.partial(self.policy.refusals.check, wait=False), side=self.side,
+            registry=self.registry, watch=self.policy.watch)
         self._handles, self._module_handles = [], []
         self._install()
         self.weights = WeightWatch(self.params, [m != NO_MEMBER for m in self.member_of])
+        self.stepping = Stepping(
+            self.parameters, self.options, side=self.side, scratch=self.scratch, skipped=self.skipped,
+            registry=self.registry, weights=self.weights, single=self.single, reduction=self.reduction,
+            updates=self.updates, policy=self.policy,
+            encode_if_final=functools.partial(rebuild.encode_if_final, self.registry, ddp, self.local),
+            drive=functools.partial(ddp.drive, self.parameters, self.reduction.used_local, self.on_bucket)
+            if self.local else None)
 
     def _install(self) -> None:
         """The mutations, once everything is checked: parameters become views of the flat buffers,
@@ -197,16 +160,37 @@ class Engine(Stepping):
         storages = [p.data for p in self.params]
         try:
             self.registry.install_initial_layout(self.ddp.module, self.pid_of)
-            hooks.register(self, self._handles, self._module_handles)
+            self._hook_modules()
+            hooks.register(self.ddp, self._targets, self._handles)
         except BaseException:
             self.close()
             for p, data in zip(self.params, storages):
                 p.data = data
             raise
 
+    def _hook_modules(self) -> None:
+        """The hooks on the module and its parameters (hooks.register_module_hooks), made anew for the
+        parameters a fused_zero optimizer updates."""
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        gathered = {p: pid for p, pid in self.pid_of.items() if self.member_of[pid] != NO_MEMBER}
+        used = self.reduction.used_local if self.reduction.track_used else None
+        hooks.register_module_hooks(self.ddp.module, self._targets, gathered, used, self._module_handles)
+
     @property
     def layout_changes(self) -> int:
         return self.registry.layout_changes
+
+    @property
+    def iteration(self) -> Iteration:
+        """This iteration's progress (step_end/iteration.py)."""
+        return self.stepping.iteration
+
+    @property
+    def grad_sumsq(self) -> torch.Tensor | None:
+        """The global sum of squares of the last update's reduced, unscaled gradients (Updates.grad_sumsq)."""
+        return self.updates.grad_sumsq
 
     def skipped_steps(self, member: int) -> int:
         """The member's steps skipped because some rank's reduced gradients of it held an inf or NaN
@@ -227,12 +211,37 @@ class Engine(Stepping):
     def shards(self) -> list[BucketShard]:
         return self.registry.shards()
 
-    def group_index(self, member: int) -> np.ndarray:
-        """Each parameter's param group in ``member`` (0 for the other members' parameters: their rows
-        of the member's table are inactive)."""
-        if member not in self._group_index:
-            self._group_index[member] = np.where(self.member_of == member, self.group_of, 0)
-        return self._group_index[member]
+    def view(self, member: Member) -> MemberView:
+        """``member``'s share as the checkpoint side reads it (members.py), made from the table as it is now."""
+        layout = StateLayout(member, self.registry, self.weights, self._rebuild_pending)
+        ranks = Ranks(self.world, self.rank, self.group, self.device, self.topology)
+        return MemberView(member, self.parameters, ranks, layout, step_counts=self.step_counts, side=self.side,
+                          stepping=self.stepping)
+
+    # ------------------------------------------------------------------ the members' calls
+
+    def step(self, member: Member, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> None:
+        """A member's ``step()`` (stepping.py), clipped to ``max_grad_norm`` as it is now."""
+        self.stepping.step(member, self.max_grad_norm, via_scaler, grad_scale)
+
+    def state_init_step(self, member: Member) -> None:
+        """torch.distributed.checkpoint's state initialization of ``member`` (Stepping.state_init_step)."""
+        self.stepping.state_init_step(member, self.max_grad_norm)
+
+    def clip_to(self, max_norm: float | None) -> None:
+        """The ``max_grad_norm`` the next updates clip to (overlap="step": from the next ``step()``)."""
+        self.max_grad_norm = max_norm
+
+    def check_joining(self, member: Member, params: list) -> list[int]:
+        """The indices of ``params``, a param group joining ``member``, once checked (added_groups.py)."""
+        return added_groups.check_joining(self.parameters, self.iteration, self.options, member, params)
+
+    def join_group(self, member: Member, pids: list[int], default_format: str) -> None:
+        """``pids`` join ``member`` (added_groups.py), once every all-gather is waited for."""
+        self.synchronize()
+        added_groups.join(self.parameters, member, pids, default_format, ddp=self.ddp, registry=self.registry,
+                          weights=self.weights, updates=self.updates)
+        self._hook_modules()
 
     # ------------------------------------------------------------------ the comm hook
 
@@ -251,16 +260,17 @@ class Engine(Stepping):
         shard = self.registry.cached(index, buffer)
         if shard is None:  # a bucket not seen before (DDP's first iterations): read it in full
             pids, offsets = self.registry.read_bucket(bucket, buffer, self.pid_of)
-        if self.iteration.invoked == 0 or self.iteration.last_invoked:  # the first bucket of a backward
+        stepping = self.stepping
+        if stepping.iteration.invoked == 0 or stepping.iteration.last_invoked:  # the first bucket of a backward
             self.policy.refusals.check(wait=False)  # one another rank made known, before any collective
-        if self.iteration.last_invoked:  # a synced backward before every member stepped after the last one
-            self.backward_before_steps()  # accumulated (step + all_reduce) or refused (stepping.py)
-        it = self.iteration
+        if stepping.iteration.last_invoked:  # a synced backward before every member stepped after the last one
+            stepping.backward_before_steps()  # accumulated (step + all_reduce) or refused (stepping.py)
+        it = stepping.iteration
         if it.hparams is None:
-            self._start_iteration(it)  # joins the side stream: the previous iteration's copies may go
+            stepping.start_iteration(it)  # joins the side stream: the previous iteration's copies may go
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
-        if shard.held and not rebuild.pending(self):  # DDP's buckets are final: encode once, before the update
+        if shard.held and not self._rebuild_pending():  # DDP's buckets are final: encode once, before the update
             shard.encode_held()
         with range_push("fused_zero.reduce"):
             reduced = self.reduction.start(shard, buffer)
@@ -283,28 +293,11 @@ class Engine(Stepping):
             self.updates.finish(it, len(it.ready), self.max_grad_norm)
         return self.reduction.future(reduced)
 
-    def _start_iteration(self, it: _Iteration) -> None:
-        """The first bucket of a synced backward, before any of its collectives."""
-        self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
-        it.hparams = [self._read_hparams(m) for m in self.members]
-        it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
-        # written here, read and maxed into by the side stream's checks: the side stream waits for it
-        it.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
-        self.side.follow()
-        self.written_weights(it)  # weights the user wrote since the last update, before this one reads them
-
-    @staticmethod
-    def _read_hparams(member) -> list[dict]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in member.opt.param_groups]
-
     def synchronize(self) -> None:
         """Wait for every pending all-gather: parameters are up to date for any reader after this."""
-        for shard in self.shards():
-            shard.gather.finish()
-        self.side.join()
+        self.stepping.synchronize()
 
     def close(self) -> None:
         for h in self._module_handles + self._handles:
             h.remove()
         self._handles, self._module_handles = [], []
-

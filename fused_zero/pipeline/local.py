@@ -22,11 +22,16 @@ parameters. The state stays sharded; the gradients travel in DDP's all-reduce.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .buckets.strides import strided_view
+
+if TYPE_CHECKING:
+    from .buckets.params import Parameters
 
 OVERRIDES = {"overlap": "step", "grad_reduce": "all_reduce"}
 """The modes a local module runs in: the update reads ``param.grad`` at ``step()``; at world size 1
@@ -84,32 +89,35 @@ class LocalModule:
     def register_comm_hook(self, state, hook) -> None:
         self.comm_hook_state = state
 
-    def drive(self, engine, member) -> bool:
-        """Hand ``engine`` this step's gradients of ``member``'s parameters (pipeline/members.py), one
-        bucket per dtype in registration order (the engine's initial layout, so no state moves); the
-        other members' parameters are handed as having none, and step at their own ``step()``. False when
-        none of the member's parameters has a ``.grad``: then torch.optim's step does nothing, and so does
+    def drive(self, parameters: Parameters, used_local, hand, member) -> bool:
+        """Hand the comm hook (``hand``: the engine's ``on_bucket``) this step's gradients of ``member``'s
+        parameters (pipeline/members.py), one bucket per dtype in registration order (the engine's
+        initial layout, so no state moves), each parameter's "got a gradient" flag into ``used_local``
+        (the reduction's); the other members' parameters are handed as having none, and step at their
+        own ``step()``. ``parameters``: the engine's parameter table (buckets/params.py). False when none
+        of the member's parameters has a ``.grad``: then torch.optim's step does nothing, and so does
         this one."""
         mine = {int(pid) for pid in member.pids}
         by_dtype: dict[torch.dtype, list[int]] = {}
         for p in self.module.parameters():
-            if p in engine.pid_of:
-                by_dtype.setdefault(p.dtype, []).append(engine.pid_of[p])
-        if all(engine.params[pid].grad is None for pid in mine):
+            if p in parameters.pid_of:
+                by_dtype.setdefault(p.dtype, []).append(parameters.pid_of[p])
+        if all(parameters.tensors[pid].grad is None for pid in mine):
             return False
         for index, (dtype, pids) in enumerate(by_dtype.items()):
-            params = [engine.params[pid] for pid in pids]
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=engine.device)
+            params = [parameters.tensors[pid] for pid in pids]
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype,
+                                 device=parameters.tensors[0].device)  # the engine's device
             grads, offset = [], 0
             for pid, p in zip(pids, params):
                 view = strided_view(buffer[offset:offset + p.numel()], p)  # as DDP lays a gradient out
                 used = pid in mine and p.grad is not None
                 if used:
                     view.copy_(p.grad)
-                engine.reduction.used_local[pid] = used
+                used_local[pid] = used
                 grads.append(view)
                 offset += p.numel()
-            engine.on_bucket(_Bucket(index, buffer, params, grads, index == len(by_dtype) - 1))
+            hand(_Bucket(index, buffer, params, grads, index == len(by_dtype) - 1))
         return True
 
 

@@ -20,12 +20,15 @@ module outside pipeline/ to at most 8 attributes of the engine or of such a view
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..update.interface import Algorithm
-from .buckets import rebuild
 from .step_end.amp import ScalerLink
+
+if TYPE_CHECKING:
+    from .buckets.params import Parameters
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Member:
     @property
     def name(self) -> str:
         return f"{type(self.opt).__name__} (optimizer {self.index} over this DDP module)"
+
+    def hparams(self) -> list[dict]:
+        """Its param groups' hyperparameters as they are now (what an update reads)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
 
     @property
     def captured(self) -> bool:
@@ -92,15 +99,20 @@ class ParamTable:
 class StateLayout:
     """Where a member's state lives: the shards of the buckets holding its parameters, its parts and
     state names in each, where each parameter is, and whether 8-bit moments are held in fp32 since a
-    load (``holding``: the engine's, read and set) and whether DDP's rebuild, which makes it so, is to come."""
+    load (``holding``: the registry's, read and set) and whether DDP's rebuild, which makes it so, is to
+    come. Built by the engine (``Engine.view``) from the registry, the weights' watch and the rebuild's
+    test, bound to the DDP module."""
 
-    def __init__(self, engine, member: Member):
-        self._engine, self._member = engine, member
+    def __init__(self, member: Member, registry, weights, rebuild_pending):
+        self._member, self._registry, self._weights = member, registry, weights
+        self.rebuild_pending = rebuild_pending
+        """Whether DDP will still rebuild its buckets (a load then holds 8-bit moments in fp32 until it:
+        buckets/rebuild.py)."""
 
     def shards(self) -> list:
         """The shards of the buckets holding some of the member's parameters, in the engine's order: the
         same on every rank, whether or not its region holds rows of them (collectives follow this order)."""
-        return [s for s in self._engine.shards() if (s.members == self._member.index).any()]
+        return [s for s in self._registry.shards() if (s.members == self._member.index).any()]
 
     def parts(self, shard) -> list:
         return [p for p in shard.parts if p.member == self._member.index]
@@ -111,55 +123,54 @@ class StateLayout:
 
     def where(self, i: int):
         """``(shard, index in the bucket)`` of the member's parameter ``i``."""
-        return self._engine.registry.where[int(self._member.pids[i])]
-
-    def rebuild_pending(self) -> bool:
-        """Whether DDP will still rebuild its buckets (a load then holds 8-bit moments in fp32 until it:
-        buckets/rebuild.py)."""
-        return rebuild.pending(self._engine)
+        return self._registry.where[int(self._member.pids[i])]
 
     def masters_loaded(self) -> None:
         """A load wrote the masters from a state dict (after the weights they round to): the weights as
         they are now count as seen, so that the next update does not take the masters afresh from a
         model load made before this one (pipeline/reducing/weight_watch.py)."""
-        self._engine.weights.look()
+        self._weights.look()
 
     @property
     def holding(self) -> bool:
-        return self._engine.holding
+        return self._registry.holding
 
     @holding.setter
     def holding(self, value: bool) -> None:
-        self._engine.holding = value
+        self._registry.holding = value
 
 
 class MemberView:
     """One member's share of an engine as the checkpoint side reads it, in narrow faces (module
     docstring): ``opt`` and ``algo``; ``table`` (ParamTable), ``ranks`` (Ranks), ``layout``
     (StateLayout); the step counts (``counts()``, ``steps``); ``synchronize()``; and, for the
-    checkpoint server's thread, ``side`` and ``iteration``."""
+    checkpoint server's thread, ``side`` and ``iteration``. Built by the engine (``Engine.view``):
+    ``parameters`` its parameter table (buckets/params.py), ``step_counts`` every parameter's
+    (updating/step_counts.py), ``stepping`` the owner of the iteration (step_end/stepping.py)."""
 
-    def __init__(self, engine, member: Member):
-        self._engine = engine
+    def __init__(self, member: Member, parameters: Parameters, ranks: Ranks, layout: StateLayout, *,
+                 step_counts, side, stepping):
         self.opt, self.algo = member.opt, member.algo
         self._pids = member.pids
         self.table = ParamTable(
-            params=[engine.params[pid] for pid in member.pids], pids=member.pids,
-            local_of={int(pid): i for i, pid in enumerate(member.pids)}, group_of=engine.group_of[member.pids],
-            group_formats=member.group_formats, state_formats=[engine.state_formats[pid] for pid in member.pids],
-            member=member.index, engine_params=engine.params)
-        self.ranks = Ranks(engine.world, engine.rank, engine.group, engine.device, engine.topology)
-        self.layout = StateLayout(engine, member)
+            params=[parameters.tensors[pid] for pid in member.pids], pids=member.pids,
+            local_of={int(pid): i for i, pid in enumerate(member.pids)},
+            group_of=parameters.group_of[member.pids], group_formats=member.group_formats,
+            state_formats=[parameters.state_formats[pid] for pid in member.pids],
+            member=member.index, engine_params=parameters.tensors)
+        self.ranks, self.layout = ranks, layout
+        self.side, self._step_counts, self._stepping = side, step_counts, stepping
 
-    side = property(lambda self: self._engine.side)
-    iteration = property(lambda self: self._engine.iteration)
+    @property
+    def iteration(self):
+        return self._stepping.iteration
 
     def synchronize(self) -> None:
-        self._engine.synchronize()
+        self._stepping.synchronize()
 
     def counts(self) -> np.ndarray:
         """The member's step counts on the host (a wait for the device, once until they change)."""
-        return self._engine.step_counts.host()[self._pids]
+        return self._step_counts.host()[self._pids]
 
     @property
     def steps(self) -> np.ndarray:
@@ -167,6 +178,6 @@ class MemberView:
 
     @steps.setter
     def steps(self, value) -> None:
-        full = self._engine.steps
+        full = self._step_counts.host().copy()
         full[self._pids] = value
-        self._engine.steps = full
+        self._step_counts.write(full)

@@ -38,7 +38,7 @@ def save(rank, path, saved: Case, tag: str):
     # as Lightning and Accelerate do it, the checkpoint built on every rank and written from global rank 2 (the
     # second replica's first rank): the dict there, torch.optim's entry for entry; {} elsewhere. The
     # loads below continue from what rank 2 wrote.
-    written = opt._state_dict_written_by(2)
+    written = opt.state_dict_written_by(2)
     if rank != 2:
         assert written == {}, f"rank {rank}: {type(written).__name__} of {len(written)} entries, not {{}}"
     else:

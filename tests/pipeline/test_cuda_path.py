@@ -116,18 +116,20 @@ def check_reshard_under_float64_default(rank, world):
     assert out["worst"] < 1e-4, out
 
 
-class GuardRecorder(SideStream):
-    """A CPU SideStream that records whether code runs inside ``run()``, the device guard."""
+class GuardRecorder:
+    """Records whether code runs inside a CPU SideStream's ``run()``, the device guard: installed on the
+    engine's side stream itself, the one object every stage was built with."""
 
-    def __init__(self, device):
-        super().__init__(device)
-        self.depth = 0
+    def __init__(self, side: SideStream):
+        self.depth, self._run = 0, side.run
+        side.run = self.run
 
     @contextlib.contextmanager
-    def run(self, follow_current: bool):
+    def run(self, *args, **kwargs):
         self.depth += 1
         try:
-            yield
+            with self._run(*args, **kwargs):
+                yield
         finally:
             self.depth -= 1
 
@@ -141,21 +143,22 @@ def check_every_launch_under_the_guard(rank, world):
         opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, ddp=ddp, overlap=overlap, _backend="torch",
                                max_grad_norm=1.0 if overlap == "step" else None)
         engine = opt._engine
-        engine.side = GuardRecorder(engine.device)
+        side = GuardRecorder(engine.side)
         # the update is the algorithm's; the norm pass a function the check and the warm-up call
         owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.updating.norm_check, "grad_sumsq"),
                   (fused_zero.pipeline.updating.warmup, "grad_sumsq"))
         reals = [getattr(owner, name) for owner, name in owners]
         for (owner, name), real in zip(owners, reals):
 
-            def wrapped(*args, _real=real, _name=name, _side=engine.side, _overlap=overlap, **kw):
+            def wrapped(*args, _real=real, _name=name, _side=side, _overlap=overlap, **kw):
                 if _side.depth == 0:
                     outside.append((_overlap, _name, args[0]))
                 return _real(*args, **kw)
 
             setattr(owner, name, wrapped)
         try:
-            compile_kernels(engine)  # the warm-up launches (Triton, through the interpreter here)
+            # the warm-up launches (Triton, through the interpreter here)
+            compile_kernels(engine.parameters, engine.options, engine.side)
             for step in range(1, 3):
                 _loss(ddp, step, rank).backward()
                 opt.step()

@@ -12,22 +12,17 @@ bucket's reduction (engine.py), or at the end of a step if no rebuild comes afte
 from __future__ import annotations
 
 
-def pending(engine) -> bool:
+def pending(ddp, local: bool) -> bool:
     """Whether DDP will still rebuild its buckets: it has not, and will (``find_unused_parameters``
-    without ``static_graph`` keeps the first layout; one process without DDP has no rebuild)."""
-    ddp = engine.ddp
-    if engine.local or getattr(ddp, "_has_rebuilt_buckets", True):
+    without ``static_graph`` keeps the first layout; one process without DDP, ``local``, has no rebuild)."""
+    if local or getattr(ddp, "_has_rebuilt_buckets", True):
         return False
     return bool(getattr(ddp, "static_graph", False) or not getattr(ddp, "find_unused_parameters", False))
 
 
-def encode_if_final(engine) -> None:
-    """At the end of a step, once the compute stream follows the updates: the moments a load held,
-    encoded if no rebuild can come. (A shard is held only while a rebuild is pending, so the arenas,
-    packed once the buckets are stable, never see one.)"""
-    if not engine.holding or pending(engine):
-        return
-    for shard in engine.shards():
-        if shard.held:
-            shard.encode_held()
-    engine.holding = False
+def encode_if_final(registry, ddp, local: bool) -> None:
+    """At the end of a step, once the compute stream follows the updates: the moments a load held
+    (``registry.holding``), encoded if no rebuild can come. (A shard is held only while a rebuild is
+    pending, so the arenas, packed once the buckets are stable, never see one.)"""
+    if registry.holding and not pending(ddp, local):
+        registry.encode_held()

@@ -23,6 +23,8 @@ import functools
 import itertools
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -44,15 +46,35 @@ def check_no_comm_hook(ddp) -> None:
             "register_comm_hook, or build one fused_zero optimizer per DDP")
 
 
-def register(engine, handles: list, module_handles: list) -> None:
-    """Register every hook of ``engine``, appending the removable handles to ``handles`` and (those that
-    know which parameters the engine updates) ``module_handles`` as they are made (so that a failure
-    midway can remove those already there); DDP's comm hook, which cannot be removed, comes last."""
-    ddp = engine.ddp
-    register_module_hooks(engine, module_handles)
+@dataclass(frozen=True)
+class HookTargets:
+    """What the hooks reach of the engine, the face they are built with: the engine holds it, each hook
+    holds it weakly (``HookState``).
+
+    Attributes:
+        on_bucket: the comm hook's work (``Engine.on_bucket``).
+        synchronize: waits for every pending all-gather (``Stepping.synchronize``).
+        check_refusals: raises a refusal another rank made known (step_end/refusals.py), waiting for nothing.
+        side: the side stream (comm/streams.py).
+        registry: which shard holds each parameter (buckets/registry.py).
+        watch: the gradients' watch (grad_watch.py).
+    """
+
+    on_bucket: Callable
+    synchronize: Callable
+    check_refusals: Callable
+    side: object
+    registry: object
+    watch: object
+
+
+def register(ddp, targets: HookTargets, handles: list) -> None:
+    """Register the hooks on ``ddp`` itself (the module's own come first: ``register_module_hooks``),
+    appending the removable handles to ``handles`` as they are made (so that a failure midway can remove
+    those already there); DDP's comm hook, which cannot be removed, comes last."""
     if hasattr(ddp, "finalize_backward"):  # torch 2.15's manual backward finalization
-        handles.append(FinalizeWatch(engine, ddp))
-    state = HookState(engine)
+        handles.append(FinalizeWatch(targets, ddp))
+    state = HookState(targets)
     try:
         ddp.register_comm_hook(state, _comm_hook)
     except RuntimeError:
@@ -156,16 +178,16 @@ def state_dict_pre_hook(module: nn.Module, hook: Synchronize):
 
 class Synchronize:
     """State_dict pre-hook: the engine's pending all-gathers waited for before ``state_dict()`` reads the
-    parameters (``param_sync="forward"``). Held weakly; a copy of it (where the module's hooks dict could
-    not leave it out) does nothing."""
+    parameters (``param_sync="forward"``). Holds the hooks' targets weakly; a copy of it (where the
+    module's hooks dict could not leave it out) does nothing."""
 
-    def __init__(self, engine):
-        self.engine = weakref.ref(engine)
+    def __init__(self, targets: HookTargets):
+        self.targets = weakref.ref(targets)
 
     def __call__(self, module, prefix, keep_vars) -> None:
-        engine = self.engine()
-        if engine is not None:
-            engine.synchronize()
+        targets: HookTargets | None = self.targets()
+        if targets is not None:
+            targets.synchronize()
 
     def __deepcopy__(self, memo):
         return NOTHING
@@ -179,21 +201,21 @@ NOTHING = functools.partial(slice)
 pickles as builtins only, so that a saved copy loads where fused_zero is not installed."""
 
 
-def register_module_hooks(engine, handles: list) -> None:
-    """The hooks on the module and its parameters: each module's forward waits for the parameters it can
-    reach, ``state_dict()`` for every one, and, where DDP may skip some, which got a gradient. Registered
-    again when parameters join an optimizer (pipeline/added_groups.py)."""
-    root = engine.ddp.module
-    gathered = {p: pid for p, pid in engine.pid_of.items() if engine.member_of[pid] >= 0}  # not NO_MEMBER's
+def register_module_hooks(root: nn.Module, targets: HookTargets, gathered: dict, used_local, handles: list) -> None:
+    """The hooks on the module ``root`` and its parameters: each module's forward waits for the
+    parameters it can reach, ``state_dict()`` for every one, and, where DDP may skip some (``used_local``,
+    the reduction's flags, else None), which got a gradient. ``gathered``: parameter -> index, of those a
+    fused_zero optimizer updates. Registered again when parameters join an optimizer
+    (pipeline/added_groups.py)."""
     for module in root.modules():
         pids = sorted({gathered[p] for p in reach(module, root) if p in gathered})
         if pids or module is root:
-            handles.append(forward_pre_hook(module, ForwardWait(engine, pids, module is root)))
+            handles.append(forward_pre_hook(module, ForwardWait(targets, pids, module is root)))
     # model.state_dict() reads the parameters: give it their updated values
-    handles.append(state_dict_pre_hook(root, Synchronize(engine)))
-    if engine.reduction.track_used:
+    handles.append(state_dict_pre_hook(root, Synchronize(targets)))
+    if used_local is not None:
         for p, pid in gathered.items():
-            handles.append(p.register_post_accumulate_grad_hook(MarkUsed(engine, pid)))
+            handles.append(p.register_post_accumulate_grad_hook(MarkUsed(used_local, pid)))
 
 
 def reach(module: nn.Module, root: nn.Module):
@@ -207,44 +229,45 @@ def _from_torch_nn(module: nn.Module) -> bool:
 
 
 class HookState:
-    """The comm hook's state, which DDP's C++ reducer holds: the engine, weakly. Python's garbage
-    collector cannot see into the reducer, so a strong reference (engine -> DDP module -> reducer ->
-    engine) is a cycle nothing frees: every DDP module and optimizer a process ever built, with their
-    process groups and gloo threads (which spin), kept for the process's life: a sweep, a notebook, a
-    test suite's kept ranks (measured: 3 gloo loops more per run, 5% of a core per process at 31)."""
+    """The comm hook's state, which DDP's C++ reducer holds: the hooks' targets (which the engine holds),
+    weakly. Python's garbage collector cannot see into the reducer, so a strong reference (engine -> DDP
+    module -> reducer -> engine) is a cycle nothing frees: every DDP module and optimizer a process ever
+    built, with their process groups and gloo threads (which spin), kept for the process's life: a sweep,
+    a notebook, a test suite's kept ranks (measured: 3 gloo loops more per run, 5% of a core per process
+    at 31)."""
 
-    __slots__ = ("engine",)
+    __slots__ = ("targets",)
 
-    def __init__(self, engine):
-        self.engine = weakref.ref(engine)
+    def __init__(self, targets: HookTargets):
+        self.targets = weakref.ref(targets)
 
 
 def _comm_hook(state: HookState, bucket):
-    engine = state.engine()
-    if engine is None:
+    targets: HookTargets | None = state.targets()
+    if targets is None:
         raise RuntimeError("the fused_zero optimizer built for this DDP module is gone (nothing referenced "
                            "it, so it was freed) and its comm hook cannot update the buckets: keep the "
                            "optimizer for as long as the DDP module trains")
-    return engine.on_bucket(bucket)
+    return targets.on_bucket(bucket)
 
 
 class ForwardWait:
     """Forward pre-hook: wait for the gathers of the buckets holding the parameters this module's
     forward can reach (``reach``); the root also raises a refusal another rank made known and orders
-    the compute stream after the side stream. Holds the engine weakly: kept in a map keyed by the module
-    (``forward_pre_hook``), a strong reference would keep the module, and the engine, forever."""
+    the compute stream after the side stream. Holds the hooks' targets weakly: kept in a map keyed by the
+    module (``forward_pre_hook``), a strong reference would keep the module, and the engine, forever."""
 
-    def __init__(self, engine, pids: list[int], root: bool):
-        self.engine, self.pids, self.root = weakref.ref(engine), pids, root
+    def __init__(self, targets: HookTargets, pids: list[int], root: bool):
+        self.targets, self.pids, self.root = weakref.ref(targets), pids, root
 
     def __call__(self, module, args):
-        engine = self.engine()
-        if engine is None:
+        targets: HookTargets | None = self.targets()
+        if targets is None:
             return
         if self.root:
-            engine.policy.refusals.check(wait=False)  # one another rank made known (refusals.py)
-            engine.side.join()
-        where = engine.registry.where
+            targets.check_refusals()  # one another rank made known (refusals.py)
+            targets.side.join()
+        where = targets.registry.where
         for pid in self.pids:
             shard = where[pid][0]
             if shard.gather.pending is not None:
@@ -253,13 +276,14 @@ class ForwardWait:
 
 
 class MarkUsed:
-    """Post-accumulate-grad hook: this rank produced a gradient for the parameter."""
+    """Post-accumulate-grad hook: this rank produced a gradient for the parameter (into the reduction's
+    ``used_local`` flags)."""
 
-    def __init__(self, engine, pid: int):
-        self.engine, self.pid = engine, pid
+    def __init__(self, used_local, pid: int):
+        self.used_local, self.pid = used_local, pid
 
     def __call__(self, param):
-        self.engine.reduction.used_local[self.pid] = True
+        self.used_local[self.pid] = True
 
 
 class FinalizeWatch:
@@ -269,8 +293,8 @@ class FinalizeWatch:
     backward, not a user's edit of ``.grad``: the gradients are recorded again once it returns
     (pipeline/reducing/grad_watch.py). Installed on the DDP instance; ``remove()`` puts DDP's own method back."""
 
-    def __init__(self, engine, ddp):
-        self.engine = weakref.ref(engine)
+    def __init__(self, targets: HookTargets, ddp):
+        self.targets = weakref.ref(targets)
         self.ddp = ddp
         self.own = ddp.__dict__.get("finalize_backward")  # an instance attribute already there, if any
         ddp.finalize_backward = self
@@ -278,9 +302,9 @@ class FinalizeWatch:
     def __call__(self, *args, **kwargs):
         finalize = self.own if self.own is not None else type(self.ddp).finalize_backward.__get__(self.ddp)
         out = finalize(*args, **kwargs)
-        engine = self.engine()
-        if engine is not None:
-            engine.policy.watch.record_again()
+        targets: HookTargets | None = self.targets()
+        if targets is not None:
+            targets.watch.record_again()
         return out
 
     def remove(self) -> None:

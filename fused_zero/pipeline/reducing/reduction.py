@@ -10,12 +10,16 @@ bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..buckets.shard import BucketShard
 from ..comm import collectives
+
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Reduced:
 class Reduction:
     """Attributes:
         topology: the groups (pipeline/buckets/topology.py).
+        side, device: the side stream the used flags are uploaded and all-reduced on, and their device.
         track_used: whether DDP may leave parameters without a gradient (find_unused_parameters or
             static_graph), so that which ones got one must be learned.
         used_local: per parameter, whether this rank produced a gradient in this iteration (written by
@@ -70,13 +75,15 @@ class Reduction:
             buckets handed from ``step()`` are not reduced again.
     """
 
-    def __init__(self, engine, ddp):
-        self.engine = engine
-        topo = self.topology = engine.topology
+    def __init__(self, ddp, params: list, topology, options: ShardingOptions, side):
+        """``params``: the parameters DDP reduces, by index (buckets/params.py); ``side``: the side stream
+        (comm/streams.py), whose device the flags go to."""
+        topo = self.topology = topology
+        self.side, self.device = side, side.device
         self.group, self.world, self.rank = topo.group, topo.world, topo.rank
-        self.grad_reduce = engine.grad_reduce
-        self.reduce_dtype = engine.options.grad_reduce_dtype
-        n = len(engine.params)
+        self.grad_reduce = options.grad_reduce
+        self.reduce_dtype = options.grad_reduce_dtype
+        n = len(params)
         self.reduced_by_ddp = bool(getattr(ddp, "reduces", False))
         if self.reduced_by_ddp and self.reduce_dtype is not None:
             raise ValueError(
@@ -90,15 +97,10 @@ class Reduction:
         self.used_local = np.zeros(n, dtype=bool)
         self.used_static: np.ndarray | None = None
         self.grad_div = np.array([1.0 if self.pre_divides(p.dtype) or self.reduced_by_ddp else float(self.world)
-                                  for p in engine.params])
+                                  for p in params])
         self.one_all_reduce = self.grad_reduce == "all_reduce" or topo.shard_size == 1 or \
-            collectives.all_reduce_replaces_reduce_scatter(self.group, engine.device)
-        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group, engine.device)
-
-    @property
-    def side(self):
-        """The engine's side stream (read each time: tests swap in a recording one)."""
-        return self.engine.side
+            collectives.all_reduce_replaces_reduce_scatter(self.group, self.device)
+        self.rs_future = self.world > 1 and collectives.reduce_scatter_has_future(topo.shard_group, self.device)
 
     def travel_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``dtype`` is reduced in: ``grad_reduce_dtype`` for fp32 ones."""
@@ -224,7 +226,7 @@ class Reduction:
 
     def _used_on_any_rank(self, pids: np.ndarray) -> np.ndarray:
         """All-reduce the local "got a gradient" flags of ``pids`` (a host sync on CUDA)."""
-        flags = torch.from_numpy(self.used_local[pids].astype(np.int32)).to(self.engine.device)
+        flags = torch.from_numpy(self.used_local[pids].astype(np.int32)).to(self.device)
         if self.world > 1:
             collectives.all_reduce(flags, self.group, async_op=False)
         return flags.cpu().numpy() > 0

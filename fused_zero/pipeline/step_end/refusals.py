@@ -18,10 +18,14 @@ at every ``step()`` of a mode that may refuse:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..comm import collectives
+
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
 
 FLAGS = ("edited", "changed", "written")
 """What a ``step()`` may refuse: an edit of ``.grad`` it cannot honor, param groups changed after the update
@@ -50,8 +54,10 @@ class Refusals:
         steps: the ``step()`` calls that queued flags so far.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, options: ShardingOptions, topology, side):
+        """``options``: the modes the messages name; ``topology``: DDP's group the flags are all-reduced
+        over (buckets/topology.py); ``side``: the side stream, whose relay stream carries them on CUDA."""
+        self.options, self.group, self.world, self.side = options, topology.group, topology.world, side
         self.pending: list[_Entry] = []
         self.steps = 0
         self._spare: list[torch.Tensor] = []  # pinned buffers of the entries read
@@ -60,24 +66,23 @@ class Refusals:
         """Whether each of ``member``'s ``step()`` flags (``FLAGS``) holds on some rank, and whether every
         rank has the same ``same`` bits (the parameters each wrote: reducing/weight_watch.py): on the CPU,
         every rank's now; on CUDA this rank's now (and True), the others' later (``check``)."""
-        e = self.engine
-        if e.world == 1:
+        if self.world == 1:
             return list(flags), True
         values = torch.tensor([int(f) for f in (*flags, *same)], dtype=torch.int32)
-        if not e.side.asynchronous:
-            collectives.all_reduce(values, e.group).wait()
+        side = self.side
+        if not side.asynchronous:
+            collectives.all_reduce(values, self.group).wait()
             sums = values.tolist()
-            return [v > 0 for v in sums[:len(flags)]], _agreed(sums[len(flags):], e.world)
+            return [v > 0 for v in sums[:len(flags)]], _agreed(sums[len(flags):], self.world)
         self.steps += 1
-        side = e.side
         with side.run(follow_current=False, relay=True):
             flags_on_device = side.upload(values, relay=True)
-            collectives.all_reduce(flags_on_device, e.group).wait()  # the relay stream waits, not the host
+            collectives.all_reduce(flags_on_device, self.group).wait()  # the relay stream waits, not the host
             host = self._spare.pop() if self._spare else side.api.pinned_empty(values.shape, values.dtype)
             side.api.to_host(flags_on_device, host)
             event = side.api.event()
             event.record(side.relay)
-        self.pending.append(_Entry(member.name, event, host, tuple(flags), self.steps, e.world))
+        self.pending.append(_Entry(member.name, event, host, tuple(flags), self.steps, self.world))
         return list(flags), True
 
     def check(self, wait: bool = True) -> None:
@@ -99,7 +104,7 @@ class Refusals:
             others = [name for name, s, m in zip(FLAGS, seen, entry.mine) if s and not m]
             if others and not any(entry.mine):
                 self.pending.clear()
-                raise RefusedOnAnotherRank(_message(entry.member, others, self.engine))
+                raise RefusedOnAnotherRank(_message(entry.member, others, self.options))
 
 
 def _agreed(sums: list[int], world: int) -> bool:
@@ -116,12 +121,12 @@ def partial_write_message(member: str) -> str:
             "forward)")
 
 
-def _message(member: str, flags: list[str], engine) -> str:
+def _message(member: str, flags: list[str], options: ShardingOptions) -> str:
     what = {"edited": "param.grad was changed between backward and optimizer.step()",
             "changed": "param_groups changed between backward and optimizer.step()",
             "written": "the parameters were written between backward and optimizer.step()"}
     return (f"{member}: on another rank, {' and '.join(what[f] for f in flags)} in its last step(), which "
-            f"overlap={engine.overlap!r} with grad_reduce={engine.grad_reduce!r} cannot honor, and that rank "
+            f"overlap={options.overlap!r} with grad_reduce={options.grad_reduce!r} cannot honor, and that rank "
             "raised: this rank raises too, rather than wait for it in the next collective. The change was made "
             "on some ranks only: make it on every rank (a scheduler or a clip under `if rank == 0` makes the "
             "replicas differ under DDP + torch.optim too), and see that rank's error for the option that "

@@ -31,8 +31,13 @@ stepped without ``unscale_`` after steps with it: a few captures per run.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..comm.profiling import range_push
 from ..updating.launches import identity
+
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
 
 
 class StepGraph:
@@ -84,23 +89,24 @@ class _Graph:
         self.graph = self.key = self.seen = self.kept = None
 
 
-def check_capturable(engine, ddp) -> None:
-    """Refuse, at construction, what a graph of ``step()``'s device work cannot hold, naming the option."""
+def check_capturable(options: ShardingOptions, side, ddp) -> None:
+    """Refuse, at construction, what a graph of ``step()``'s device work cannot hold, naming the option
+    (``side``: the side stream the graph would capture, comm/streams.py)."""
     why = []
-    if engine.overlap != "step":
-        why.append(f'overlap={engine.overlap!r}: the updates run inside the backward (DDP\'s comm hook), which '
+    if options.overlap != "step":
+        why.append(f'overlap={options.overlap!r}: the updates run inside the backward (DDP\'s comm hook), which '
                    'a graph of step() cannot hold; use overlap="step"')
     if getattr(ddp, "find_unused_parameters", False):
         why.append("find_unused_parameters=True: which parameters got a gradient is all-reduced into a new "
                    "table every iteration; build DDP without it")
-    if engine.options.grad_reduce_dtype is not None:
+    if options.grad_reduce_dtype is not None:
         why.append("grad_reduce_dtype: the gradients are reduced in copies made anew every iteration; leave it "
                    "None")
-    if engine.options.stochastic_rounding:
+    if options.stochastic_rounding:
         why.append('master_weights="stochastic": its rounding keys are hashed from the step with temporaries; '
                    "use master weights")
-    if engine.side.api is None:
-        why.append(f"the parameters are on {engine.device.type}: a CUDA graph needs CUDA parameters (torch.optim's "
+    if side.api is None:
+        why.append(f"the parameters are on {side.device.type}: a CUDA graph needs CUDA parameters (torch.optim's "
                    "capturable=True refuses them too)")
     if why:
         raise ValueError("capturable=True (step() replayed from a CUDA graph) cannot be honored: " + "; ".join(why))

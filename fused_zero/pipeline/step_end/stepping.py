@@ -3,35 +3,69 @@
 A member's ``step()`` applies its update now (overlap="step": from its gradients as they are when it is
 called; the other modes ran it in the backward, with the gradients then), skips on its own overflow,
 publishes its own GradScaler flag and skip count, and refuses what it cannot honor, on every rank. The
-iteration (engine.py) ends once every member has stepped, or, where a member may leave its gradients to
-accumulate (overlap="step" with grad_reduce="all_reduce"), when the next synced backward starts. A part
-of the Engine (engine.py), kept apart from the comm hook's path.
+iteration (iteration.py) ends once every member has stepped, or, where a member may leave its gradients
+to accumulate (overlap="step" with grad_reduce="all_reduce"), when the next synced backward starts.
+
+``Stepping`` is an object the engine owns (engine.py), built with the stages it drives and the few
+settings it reads, never with the engine: it starts the iteration at the comm hook's first bucket
+(``start_iteration``) and ends it, kept apart from the comm hook's path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..buckets import rebuild
 from ..comm.profiling import range_push
 from ..reducing.reduction import Reduced
 from ..reducing.weight_watch import refresh_masters
+from .iteration import Iteration
+
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
+    from ..buckets.params import Parameters
 
 
 class Stepping:
-    """The Engine's user-facing step (the Engine's attributes: engine.py)."""
+    """The members' ``step()`` and the iteration's start and end.
 
-    def step(self, member, via_scaler: bool = False, grad_scale: torch.Tensor | None = None) -> None:
-        """A member's ``step()``. ``via_scaler``: called by ``GradScaler.step()``, which passes the loss
-        scale the gradients still carry (None after the user's ``scaler.unscale_``)."""
+    Attributes:
+        iteration: this iteration's progress (Iteration), replaced when it ends.
+    """
+
+    def __init__(self, parameters: Parameters, options: ShardingOptions, *, side, scratch, skipped: torch.Tensor,
+                 registry, weights, single, reduction, updates, policy, encode_if_final: Callable,
+                 drive: Callable | None):
+        """``side``, ``scratch``: the side stream and the tensors the device work writes (comm/);
+        ``skipped``: each member's skipped steps on the device; ``registry``, ``single``: the shards and,
+        in overlap modes "backward" and "step", their arenas (buckets/); ``weights``: the user's writes of
+        the parameters (reducing/weight_watch.py); ``reduction``, ``updates``, ``policy``: the stages;
+        ``encode_if_final``: the moments a load held in fp32, encoded at a step's end once DDP will not
+        rebuild its buckets (buckets/rebuild.py); ``drive``: one process without DDP, hands a member's
+        gradients to the comm hook (local.py), else None."""
+        self.members = parameters.members
+        self.overlap, self.param_sync = options.overlap, options.param_sync
+        self.side, self.scratch, self.skipped = side, scratch, skipped
+        self.registry, self.weights, self.single = registry, weights, single
+        self.reduction, self.updates, self.policy = reduction, updates, policy
+        self.encode_if_final, self.drive = encode_if_final, drive
+        self.iteration = Iteration()
+
+    def step(self, member, max_norm: float | None, via_scaler: bool = False,
+             grad_scale: torch.Tensor | None = None) -> None:
+        """A member's ``step()``. ``max_norm``: the ``max_grad_norm`` its update clips to (overlap="step").
+        ``via_scaler``: called by ``GradScaler.step()``, which passes the loss scale the gradients still
+        carry (None after the user's ``scaler.unscale_``)."""
         if self.side.api is not None and self.side.api.capturing():
             raise RuntimeError(
                 "optimizer.step() was called inside a CUDA graph capture: it waits for the reductions issued "
                 "in the backward, outside the capture, which CUDA refuses. Call step() eagerly; with "
                 "capturable=True and overlap=\"step\" it captures its own device work once and replays it")
         self.policy.refusals.check()  # a refusal another rank made known since (step_policy.py)
-        if self.local:
-            self._local_step(member, via_scaler, grad_scale)
+        if self.drive is not None:
+            self._local_step(member, max_norm, via_scaler, grad_scale)
             return
         it = self.iteration
         if it.invoked == 0:
@@ -43,10 +77,10 @@ class Stepping:
         self.policy.check_stepped_once(member, it.stepped)
         self.policy.check_scaler_use(member, via_scaler)
         it.stepped.add(member.index)
-        edited, honored = self.policy.edits(member, via_scaler, grad_scale)
+        edited, honored = self.policy.edits(member, via_scaler, grad_scale, it)
         changed, late = [], self.written_weights(it)
         if self.overlap == "step":  # the update runs now: the hyperparameters and the weights as they are now
-            self._step_member(it, member, grad_scale, bool(edited), honored)
+            self._step_member(it, member, max_norm, grad_scale, bool(edited), honored)
             late = []
         else:  # the update ran in the backward, with the hyperparameters and weights of the first bucket
             changed = self.policy.hparams_changed(member, it.hparams_key[member.index])
@@ -58,30 +92,30 @@ class Stepping:
         self.policy.refuse(member, bool(edited), changed, it.found_inf[member.index:member.index + 1], late,
                            it.wrote)
 
-    def _step_member(self, it, member, grad_scale, edited: bool, honored: bool) -> None:
+    def _step_member(self, it, member, max_norm, grad_scale, edited: bool, honored: bool) -> None:
         """overlap="step": the member's update, now."""
-        it.hparams[member.index] = self._read_hparams(member)
+        it.hparams[member.index] = member.hparams()
         it.coefs.pop(member.index, None)  # its table is made from its param groups as they are now
         scale = grad_scale.reshape(1) if grad_scale is not None and member.scaler is not None \
             and member.scaler.enabled else None
-        self.updates.step_member(it, member, self.max_grad_norm, scale, edited, follow=honored or scale is not None)
+        self.updates.step_member(it, member, max_norm, scale, edited, follow=honored or scale is not None)
 
-    def _local_step(self, member, via_scaler: bool, grad_scale) -> None:
-        """One process without DDP: the member's gradients are handed to the engine as they are now
+    def _local_step(self, member, max_norm, via_scaler: bool, grad_scale) -> None:
+        """One process without DDP: the member's gradients are handed to the comm hook as they are now
         (local.py), and its update runs, as one iteration of its own; nothing where none of its
         parameters has a ``.grad`` (torch.optim's step does nothing either)."""
         self.policy.check_scaler_use(member, via_scaler)
-        if not self.ddp.drive(self, member):
+        if not self.drive(member):
             return
         it = self.iteration
         it.stepped.add(member.index)
         self.written_weights(it)
-        self._step_member(it, member, grad_scale, False, True)
+        self._step_member(it, member, max_norm, grad_scale, False, True)
         self._count_skip(it, member)
         self._end_iteration(it)
         self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1], [], it.wrote)
 
-    def state_init_step(self, member) -> None:
+    def state_init_step(self, member, max_norm: float | None) -> None:
         """torch.distributed.checkpoint's state initialization of ``member`` (checkpoint/canonical.py's
         ``is_state_init_step``: DCP sets every gradient to zeros and every lr to 0, then steps): torch.optim's
         step on zero gradients at lr 0, which makes the state as a first step makes it (not always zero:
@@ -89,17 +123,27 @@ class Stepping:
         are. Run here as that very step: the member's update of every bucket from zero gradients, every
         parameter active, as overlap="step" runs it (every rank runs it: DCP's helpers are collective)."""
         it = self.iteration
-        self._start_iteration(it)
-        for shard in self.shards():
+        self.start_iteration(it)
+        for shard in self.registry.shards():
             if member.index in shard.member_set:
-                zeros = torch.zeros(shard.layout.numel, dtype=shard.param_buffer.dtype, device=self.device)
+                zeros = torch.zeros(shard.layout.numel, dtype=shard.param_buffer.dtype, device=self.side.device)
                 shard.reduced_buffer = zeros
                 it.ready.append(Reduced(shard, shard.all_active, [], zeros, zeros))
         it.invoked, it.last_invoked = len(it.ready), True
         it.stepped.add(member.index)
-        self._step_member(it, member, None, False, True)
+        self._step_member(it, member, max_norm, None, False, True)
         self._count_skip(it, member)
         self._end_iteration(it)
+
+    def start_iteration(self, it: Iteration) -> None:
+        """The first bucket of a synced backward, before any of its collectives (the comm hook, engine.py)."""
+        self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
+        it.hparams = [m.hparams() for m in self.members]
+        it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
+        # written here, read and maxed into by the side stream's checks: the side stream waits for it
+        it.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
+        self.side.follow()
+        self.written_weights(it)  # weights the user wrote since the last update, before this one reads them
 
     def backward_before_steps(self) -> None:
         """The first bucket of a synced backward that starts before every member stepped after the last
@@ -116,9 +160,9 @@ class Stepping:
             self._end_iteration(it)
         else:
             self.side.join()  # the compute stream after the waits above, before the buckets are reused
-            self.iteration = type(it)()  # engine._Iteration
+            self.iteration = Iteration()
 
-    def _end_iteration(self, it) -> None:
+    def _end_iteration(self, it: Iteration) -> None:
         """Every member has stepped (or the next backward starts): the arenas' packing once DDP's buckets
         are stable, the streams' joins."""
         for item in it.reduced():
@@ -130,9 +174,9 @@ class Stepping:
             with self.side.run(follow_current=True):  # later updates after the moves
                 pass
         self.reduction.end_step()
-        self.iteration = type(it)()  # engine._Iteration
+        self.iteration = Iteration()
         self._join()
-        rebuild.encode_if_final(self)
+        self.encode_if_final()
 
     def _join(self) -> None:
         """The end of a ``step()``: with param_sync="step" every all-gather started is waited for;
@@ -145,7 +189,13 @@ class Stepping:
         else:
             self.side.join()
 
-    def written_weights(self, it) -> list[int]:
+    def synchronize(self) -> None:
+        """Wait for every pending all-gather: parameters are up to date for any reader after this."""
+        for shard in self.registry.shards():
+            shard.gather.finish()
+        self.side.join()
+
+    def written_weights(self, it: Iteration) -> list[int]:
         """The parameters the user wrote since the update last looked (reducing/weight_watch.py): their
         masters taken afresh from them, on the side stream after the write (queued on the current
         stream), before any update reads them; ``it.wrote``: this iteration's bits for the ranks'
@@ -165,7 +215,7 @@ class Stepping:
         shard, local = self.registry.where[pid]
         return shard.param_buffer, shard.layout.offsets[local]
 
-    def _count_skip(self, it, member) -> None:
+    def _count_skip(self, it: Iteration, member) -> None:
         """The member's skip flag into its skipped-step counter and its GradScaler's found-inf tensors.
         Both read the flag that the side stream's checks wrote, so they are queued there, after the
         current stream (the user's ``scaler.unscale_`` wrote the scaler's tensors on it); ``step()``

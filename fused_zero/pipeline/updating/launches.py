@@ -6,12 +6,16 @@ whole_matrix.py) always by part. A part of the updates' stage (updates.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..buckets.shard import BucketShard
 from ..reducing.reduction import Reduced, UsedFlags
+
+if TYPE_CHECKING:
+    from ..buckets.params import Parameters
 
 
 def identity(x) -> object:
@@ -59,17 +63,18 @@ class Unit:
                 id(self.norm_segments), identity((self.table, grad, self.param, self.state, self.scales)))
 
 
-def launch_units(engine, coefficients, it, items: list[Reduced], coefs: list, members: list[int]) -> list[Unit]:
+def launch_units(parameters: Parameters, single, coefficients, it, items: list[Reduced], coefs: list,
+                 members: list[int]) -> list[Unit]:
     """The launches that update ``members``' parameters of ``items``: one per dtype, member and state
     format when the arenas hold exactly these shards and one table per member serves them all, else
     one per bucket, member and state format (and always one per part for a member that updates in
     phases). The norm pass reads each part's counted gradients in its launch. ``coefficients``: the
-    step's CoefficientTables (tables.py), ``coefs`` the tables each item's update reads."""
-    e = engine
-    single = e.single
-    phased = {m.index for m in e.members if m.algo.runs.phased}
+    step's CoefficientTables (tables.py), ``coefs`` the tables each item's update reads; ``parameters`` the
+    engine's parameter table (buckets/params.py), ``single`` the arenas' launches (buckets/arena.py) or None."""
+    phased = {m.index for m in parameters.members if m.algo.runs.phased}
     launches = single.for_step([item.shard for item in items], skip=phased) if single else None
-    tables = _one_table(e, coefficients, it, items, coefs, members) if launches is not None else None
+    tables = _one_table(len(parameters.tensors), coefficients, it, items, coefs, members) \
+        if launches is not None else None
     if tables is None:
         return [_part_unit(part, item.shard, t[part.member])
                 for item, t in zip(items, coefs) for part in item.shard.parts if part.member in members]
@@ -88,15 +93,16 @@ def _part_unit(part, shard: BucketShard, table: torch.Tensor) -> Unit:
                 shard.reduced_buffer, shard.param_buffer, part.state, part.scales, [part], [shard])
 
 
-def _one_table(engine, coefficients, it, items: list[Reduced], coefs: list, members: list[int]) -> dict | None:
+def _one_table(n: int, coefficients, it, items: list[Reduced], coefs: list, members: list[int]) -> dict | None:
     """One coefficient table per member for every bucket of the step (a parameter is in one bucket
     only): the iteration's shared ones, or ones built from the host's flags where some parameter is
-    known to have no gradient; None where neither fits (then one launch per bucket)."""
+    known to have no gradient; None where neither fits (then one launch per bucket). ``n``: the engine's
+    parameters."""
     if all(t[m] is coefs[0][m] for t in coefs for m in members):
         return coefs[0]
     if any(isinstance(item.active, UsedFlags) for item in items):
         return None
-    mask = np.ones(len(engine.params))
+    mask = np.ones(n)
     for item in items:
         mask[item.shard.pids] = item.active
     return coefficients.build(it, mask, members)

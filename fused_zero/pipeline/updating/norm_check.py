@@ -12,18 +12,17 @@ from ..comm import collectives
 from .launches import Unit
 
 
-def check(engine, it, units: list[Unit], scales: dict, clip: float | None, edited: dict, group,
-          covers_all: bool) -> torch.Tensor:
+def check(it, units: list[Unit], scales: dict, clip: float | None, edited: dict, group, *, scratch, backend: str,
+          world: int, members: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over this rank's reduced slices of ``units`` (each unscaled by its member's loss
     scale): the sum of squares and each member's count of non-finite values, all-reduced with this
     rank's edit flags in one collective. Returns each member's skip flag, float32 ``[members]`` (a
-    device tensor: no host sync), and, with ``clip`` (a ``max_grad_norm``), writes the iteration's clip
-    coefficient into ``it.clip``. ``group``: the collective's (updates.py: DDP's, or its twin).
-    ``covers_all``: the pass reads every member's gradients (the sum of squares is then the global
-    norm's, which ``engine.grad_sumsq`` holds)."""
-    e = engine
-    n = len(e.members)
-    scratch = e.scratch.under("check", *sorted(edited))
+    device tensor: no host sync), and the sum of squares (the global norm's where the units hold every
+    member's gradients: Updates.grad_sumsq); with ``clip`` (a ``max_grad_norm``), writes the iteration's
+    clip coefficient into ``it.clip``. ``group``: the collective's (updates.py: DDP's, or its twin), of
+    ``world`` ranks; ``scratch``: where the pass writes (comm/scratch.py); ``members``: how many."""
+    n = members
+    scratch = scratch.under("check", *sorted(edited))
     stats = scratch.take("stats", (1 + 2 * n,), torch.float32).zero_()
     for j, unit in enumerate(units):
         if not unit.norm_rows:
@@ -32,20 +31,18 @@ def check(engine, it, units: list[Unit], scales: dict, clip: float | None, edite
         partials = scratch.take(("rows", j), (max(segments.n_rows, 1), 2), torch.float32) \
             if segments is not None else None
         norm = scratch.take(("norm", j), (2,), torch.float32)
-        grad_sumsq(e.backend, unit.norm_rows, segments, unit.table, unit.grad, scales[unit.member], out=norm,
+        grad_sumsq(backend, unit.norm_rows, segments, unit.table, unit.grad, scales[unit.member], out=norm,
                    partials=partials)
         stats[:1] += norm[:1]
         stats[1 + unit.member:2 + unit.member] += norm[1:]
     for m, flag in edited.items():
         if flag:
             stats[1 + n + m:2 + n + m].fill_(1.0)
-    if e.world > 1:  # waited for by the side stream on CUDA, like the reductions
+    if world > 1:  # waited for by the side stream on CUDA, like the reductions
         collectives.all_reduce(stats, group).wait()
-    if covers_all:
-        e.grad_sumsq = stats[0]
     # any non-finite count or edit flag (non-negative whole numbers): 1.0, else 0.0
     found = torch.maximum(stats[1:1 + n], stats[1 + n:], out=scratch.take("found", (n,), torch.float32))
     found.clamp_(max=1.0)
     if clip is not None:
         clip_coefficient(stats[0], clip, it.clip)
-    return found
+    return found, stats[0]

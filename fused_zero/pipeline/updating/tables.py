@@ -6,10 +6,16 @@ graph can hold it (step_graph.py). A part of the updates' stage (updates.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from ..reducing.reduction import UsedFlags
+
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
+    from ..buckets.params import Parameters
 
 
 class CoefficientTables:
@@ -17,40 +23,40 @@ class CoefficientTables:
         pending: ``(member, table, step inputs)`` of the tables made since the last ``fill_steps``.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, parameters: Parameters, options: ShardingOptions, *, grad_div: np.ndarray, side, scratch,
+                 step_counts):
+        """``parameters``: the engine's parameter table (buckets/params.py); ``grad_div``: what each reduced
+        gradient is divided by (reducing/reduction.py); ``side``, ``scratch``: the side stream the tables
+        are uploaded from and the tensors they are kept in (comm/); ``step_counts``: the counts their step
+        columns are made from (step_counts.py)."""
+        self.parameters, self.grad_div = parameters, grad_div
+        self.seed = options.seed if options.stochastic_rounding else None
+        self.side, self.scratch, self.step_counts = side, scratch, step_counts
         self.pending: list[tuple] = []
         self._groups: dict[int, torch.Tensor] = {}
-
-    @property
-    def side(self):
-        return self.engine.side
 
     def _table(self, member: int, hparams: list[dict], active: np.ndarray) -> torch.Tensor:
         """One member's update scalars for this step, one row per parameter of the engine (the other
         members' rows inactive), on the update's device: the host's columns and the step columns'
         inputs uploaded now; the step columns written from the counts by the device work that reads the
         table (``fill_steps``, update/step_columns.py)."""
-        e = self.engine
-        m = e.members[member]
-        group_idx = e.group_index(member)
-        host = m.algo.coefficients(hparams, group_idx, active * (e.member_of == member), e.reduction.grad_div)
+        m = self.parameters.members[member]
+        group_idx = self.parameters.group_index(member)
+        host = m.algo.coefficients(hparams, group_idx, active * (self.parameters.member_of == member), self.grad_div)
         k = sum(1 for p in self.pending if p[0] == member)
-        scratch = e.scratch.under("member", member, "table", k)  # one step's tables, each its own
+        scratch = self.scratch.under("member", member, "table", k)  # one step's tables, each its own
         table = self.side.upload(host, out=scratch.take("coefs", host.shape, host.dtype))
-        inputs = m.algo.step_inputs(hparams, group_idx, e.step_counts.bound, self._device_groups(member),
+        inputs = m.algo.step_inputs(hparams, group_idx, self.step_counts.bound, self._device_groups(member),
                                     self.side.upload, scratch)
         self.pending.append((member, table, inputs))
         return table
 
     def fill_steps(self) -> None:
         """The step columns of the tables made since the last device work (on the side stream)."""
-        e = self.engine
         fills, self.pending = self.pending, []
         for member, table, inputs in fills:
-            e.members[member].algo.fill_steps(table, inputs, e.step_counts,
-                                              e.options.seed if e.options.stochastic_rounding else None,
-                                              e.scratch.under("member", member))
+            self.parameters.members[member].algo.fill_steps(table, inputs, self.step_counts, self.seed,
+                                                            self.scratch.under("member", member))
 
     def forget_groups(self) -> None:
         """A param group joined a member: its parameters' groups are uploaded again."""
@@ -59,7 +65,7 @@ class CoefficientTables:
     def _device_groups(self, member: int) -> torch.Tensor:
         """Each parameter's param group in ``member``, int64 on the device (uploaded once)."""
         if member not in self._groups:
-            groups = np.asarray(self.engine.group_index(member), dtype=np.int64)
+            groups = np.asarray(self.parameters.group_index(member), dtype=np.int64)
             self._groups[member] = self.side.upload(torch.from_numpy(groups))
         return self._groups[member]
 
@@ -73,9 +79,9 @@ class CoefficientTables:
         of its own where the host knows that some parameter of the bucket got no gradient. The shared
         table of a member is built at its first use in the iteration (in overlap="step", the member's
         ``step()`` drops it first: its param groups are read then)."""
-        n = len(self.engine.params)
+        n = len(self.parameters.tensors)
         if not it.counting:  # the iteration's first tables, before any of its updates
-            self.engine.step_counts.begin_iteration()
+            self.step_counts.begin_iteration()
             it.counting = True
         missing = [m for m in members if m not in it.coefs]
         if missing:

@@ -9,6 +9,8 @@ are the same for both.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -24,21 +26,42 @@ from .tables import CoefficientTables
 from .whole_matrix import WholeMatrix
 from .whole_params import WholeParams
 
+if TYPE_CHECKING:
+    from ...options import ShardingOptions
+    from ..buckets.params import Parameters
+
 
 class Updates:
-    """Runs the updates of ready buckets for the engine (``finish``) and starts their all-gathers."""
+    """Runs the updates of ready buckets for the engine (``finish``) and starts their all-gathers.
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.group, self.world, self.rank = engine.group, engine.world, engine.rank
+    Attributes:
+        grad_sumsq: the global sum of squares of the last update's reduced, unscaled gradients (a device
+            scalar; in overlap modes "step" and "backward", where one update covers every bucket: the
+            pre-clip norm squared, which the integrations' clip_grad_norm_ returns), or None.
+    """
+
+    def __init__(self, parameters: Parameters, options: ShardingOptions, *, topology, reduction, side, scratch,
+                 step_counts, graph, single, backend: str):
+        """``parameters``: the engine's parameter table (buckets/params.py); ``topology``: the process
+        groups (buckets/topology.py); ``reduction``: the stage before, whose divisors the update applies
+        (reducing/reduction.py); ``side``, ``scratch``: where the device work runs and the tensors it
+        writes (comm/); ``step_counts``: the counts it adds to (step_counts.py); ``graph``: the CUDA
+        graphs that replay it (step_end/step_graph.py), or None; ``single``: the arenas' launches
+        (buckets/arena.py), or None; ``backend``: "triton" or "torch"."""
+        self.parameters, self.members, self.group_of = parameters, parameters.members, parameters.group_of
+        self.stochastic = options.stochastic_rounding
+        self.reduction, self.side, self.scratch, self.step_counts = reduction, side, scratch, step_counts
+        self.graph, self.single, self.backend = graph, single, backend
+        self.group, self.world, self.rank = topology.group, topology.world, topology.rank
         # the collectives that wait for an update, off the reductions' communicators where a later
         # reduction of the same backward would queue behind them (overlap="bucket")
-        topo = engine.topology
-        self.gather_group, self.check_group = post_update_groups(topo) \
-            if engine.overlap == "bucket" and self.world > 1 else (topo.shard_group, self.group)
+        self.gather_group, self.check_group = post_update_groups(topology) \
+            if options.overlap == "bucket" and self.world > 1 else (topology.shard_group, self.group)
         self._pids_kept: dict[int, tuple] = {}  # member -> (shards, their pids on the device)
         self._whole_matrix: dict[int, WholeMatrix | WholeParams] = {}  # phased members' steps
-        self.tables = CoefficientTables(engine)
+        self.tables = CoefficientTables(parameters, options, grad_div=reduction.grad_div, side=side, scratch=scratch,
+                                        step_counts=step_counts)
+        self.grad_sumsq: torch.Tensor | None = None
 
     def forget_members(self) -> None:
         """Drop what was kept of the members' parameters: a param group joined one
@@ -52,13 +75,8 @@ class Updates:
         every rank (``algo.runs`` says which)."""
         if member.index not in self._whole_matrix:
             runner = {Runs.WHOLE_MATRIX: WholeMatrix, Runs.WHOLE_PARAMS: WholeParams}[member.algo.runs]
-            self._whole_matrix[member.index] = runner(self.engine, member, self.gather_group)
+            self._whole_matrix[member.index] = runner(self.parameters, self.reduction, member, self.gather_group)
         return self._whole_matrix[member.index]
-
-    @property
-    def side(self):
-        """The engine's side stream (read each time: tests swap in a recording one)."""
-        return self.engine.side
 
     def finish(self, it, count: int, max_norm: float | None = None, each_bucket: bool = False) -> None:
         """Overlap modes "bucket" and "backward", in the backward: wait for the first ``count`` ready
@@ -74,8 +92,7 @@ class Updates:
         todo, it.ready = it.ready[:count], it.ready[count:]
         if not todo:
             return
-        e = self.engine
-        members = [m.index for m in e.members]
+        members = [m.index for m in self.members]
         with self.side.run(follow_current=self.world == 1):
             for item in todo:
                 for w in item.works:
@@ -98,7 +115,6 @@ class Updates:
         divided them). ``follow``: the side stream also waits for the current stream (the update reads
         something queued there after the backward: the user's edit of ``.grad``, GradScaler's scale).
         """
-        e = self.engine
         todo, it.ready = it.ready, []
         with self.side.run(follow_current=self.world == 1 or follow):
             for item in todo:
@@ -106,14 +122,14 @@ class Updates:
                     w.wait()
             it.waited += todo
             scales = {m.index: m.scaler.scale() if m.scaler is not None and m.scaler.enabled and
-                      not m.scaler.unscaled() else None for m in e.members}
-            if grad_scale is not None and e.graph is not None:  # GradScaler hands a new tensor each step
+                      not m.scaler.unscaled() else None for m in self.members}
+            if grad_scale is not None and self.graph is not None:  # GradScaler hands a new tensor each step
                 # (its scale times 1): the graph reads a copy of its own
-                grad_scale = e.scratch.under("member", member.index).take(
+                grad_scale = self.scratch.under("member", member.index).take(
                     "grad_scale", grad_scale.shape, grad_scale.dtype).copy_(grad_scale)
             scales[member.index] = grad_scale
             clip = self._clips(it, max_norm)
-            norm = [m.index for m in e.members] if clip is not None else [member.index]
+            norm = [m.index for m in self.members] if clip is not None else [member.index]
             self._update(it, it.waited, [member.index], scales, norm, clip, {member.index: edited})
 
     def _clips(self, it, max_norm: float | None) -> float | None:
@@ -122,7 +138,7 @@ class Updates:
         (which runs no Python) leaves it set too; else None."""
         if max_norm is None or it.clip is not None:
             return None
-        it.clip = self.engine.scratch.take("clip", (1,), torch.float32)
+        it.clip = self.scratch.take("clip", (1,), torch.float32)
         return max_norm
 
     def _update(self, it, items: list[Reduced], members: list[int], scales: dict, norm: list[int],
@@ -137,23 +153,22 @@ class Updates:
         The host's part first (tables uploaded, launches planned, earlier gathers waited for), then the
         device work: queued as it goes, or, with ``capturable=True``, captured once in a CUDA graph and
         replayed (step_graph.py)."""
-        e = self.engine
         needed = sorted(set(members) | set(norm))
         coefs = [self.tables.for_bucket(it, item.shard, item.active, needed) for item in items]
         counted = self._counted(items, coefs, members)  # uploads first, before this call's kernels are queued
-        units = launch_units(e, self.tables, it, items, coefs, members)
+        units = launch_units(self.parameters, self.single, self.tables, it, items, coefs, members)
         others = [m for m in norm if m not in members]
         norm_units = [u for u in units if u.member in norm] + \
-            (launch_units(e, self.tables, it, items, coefs, others) if others else [])
+            (launch_units(self.parameters, self.single, self.tables, it, items, coefs, others) if others else [])
         for shard in {id(s): s for unit in units for s in unit.shards}.values():
             shard.gather.finish()
 
         def work(joined: bool = False) -> None:
             self._device_work(it, items, coefs, counted, units, norm_units, members, scales, clip, edited, joined)
-        if e.graph is None or not all(e.members[m].captured for m in members):  # a member built without
+        if self.graph is None or not all(self.members[m].captured for m in members):  # a member built without
             work()  # capturable=True steps eagerly beside one with it (step_graph.py)
             return
-        e.graph.run(members[0] if len(members) == 1 else -1,
+        self.graph.run(members[0] if len(members) == 1 else -1,
                     (it.found_inf, scales, edited, clip, it.clip, self.tables.pending, counted, units,
                      norm_units), lambda: work(joined=True))
         self.tables.pending = []
@@ -164,34 +179,35 @@ class Updates:
         """Everything ``_update`` queues on the device: step columns, checks, updates, counts, gathers. It
         reads device memory only (a CUDA graph can hold it). ``joined``: the side stream waits for the
         gathers too (a graph must join the streams it forks)."""
-        e = self.engine
         self.tables.fill_steps()
-        found = check(e, it, norm_units, scales, clip, edited, self.check_group, covers_all=len(norm_units) > 0 and
-                            {u.member for u in norm_units} >= {m.index for m in e.members})
+        found, sumsq = check(it, norm_units, scales, clip, edited, self.check_group, scratch=self.scratch,
+                             backend=self.backend, world=self.world, members=len(self.members))
+        if len(norm_units) > 0 and {u.member for u in norm_units} >= {m.index for m in self.members}:
+            self.grad_sumsq = sumsq  # the pass read every member's gradients: the global norm's
         for m in members:
             torch.maximum(it.found_inf[m:m + 1], found[m:m + 1], out=it.found_inf[m:m + 1])
         for j, (m, pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
-            e.step_counts.count(pids, table, found[m:m + 1], e.scratch.under("member", m, "count", j))
+            self.step_counts.count(pids, table, found[m:m + 1], self.scratch.under("member", m, "count", j))
         args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=it.clip,
-                        stochastic=e.options.stochastic_rounding, hparams=it.hparams[m], group_of=e.group_of,
-                        grad_div=e.reduction.grad_div, asynchronous=e.side.asynchronous)
+                        stochastic=self.stochastic, hparams=it.hparams[m], group_of=self.group_of,
+                        grad_div=self.reduction.grad_div, asynchronous=self.side.asynchronous)
                 for m in members}
         for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
-            member = e.members[m]
+            member = self.members[m]
             if member.algo.runs.phased and any(m in item.shard.member_set for item in items):
                 self._whole(member).step(it, items, [t[m] for t in coefs], [u for u in units if u.member == m],
                                          args[m])
         gathers = self._gathers(items, units, members)
         for j, unit in enumerate(units):
-            algo = e.members[unit.member].algo
+            algo = self.members[unit.member].algo
             if not algo.runs.phased:
                 with range_push("fused_zero.update"):
-                    algo.update(e.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
+                    algo.update(self.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                         unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks,
                         **args[unit.member]))
             gathers(j)
         for m in members:  # what every rank keeps of each parameter, with or without a piece of it
-            algo = e.members[m].algo
+            algo = self.members[m].algo
             for item, tables in zip(items, coefs) if algo.finishes else ():
                 shard = item.shard
                 if m in shard.member_set:
@@ -215,7 +231,7 @@ class Updates:
         def ready(j: int) -> None:
             while todo and last.get(id(todo[0]), -1) <= j:  # a skipped update gathers the unchanged parameters
                 shard = todo.pop(0)
-                shard.gather.start(shard.param_buffer, members, self.gather_group, self.side, self.engine.scratch)
+                shard.gather.start(shard.param_buffer, members, self.gather_group, self.side, self.scratch)
         return ready
 
     def _counted(self, items: list[Reduced], coefs: list, members: list[int]) -> list[tuple]:

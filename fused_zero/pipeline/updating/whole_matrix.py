@@ -29,6 +29,7 @@ momentum and the parameter, take the new value only where the matrix's flags all
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from ..buckets.layout import REPLICATED
 from ..buckets.strides import strided_view
 from ..comm import collectives
 from ..comm.profiling import range_push
+
+if TYPE_CHECKING:
+    from ..buckets.params import Parameters
 
 
 def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
@@ -57,12 +61,17 @@ def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
 class WholeMatrix:
     """One phased member's step over the buckets the pipeline hands it."""
 
-    def __init__(self, engine, member, group):
-        self.engine, self.member, self.group = engine, member, group
-        world = engine.topology.shard_size
-        self.rank = engine.topology.shard_rank
+    def __init__(self, parameters: Parameters, reduction, member, group):
+        """``parameters``: the engine's parameter table (buckets/params.py); ``reduction``: the stage that
+        reduced the gradients in the shard group (reducing/reduction.py: its topology, divisors and
+        device); ``group``: the process group of the phases' collectives (updates.py)."""
+        self.member, self.group = member, group
+        self.params, self.group_of = parameters.tensors, parameters.group_of
+        self.grad_div, self.device = reduction.grad_div, reduction.device
+        world = reduction.topology.shard_size
+        self.rank = reduction.topology.shard_rank
         pids = [int(p) for p in member.pids]
-        shapes = [tuple(engine.params[p].shape) for p in pids]
+        shapes = [tuple(self.params[p].shape) for p in pids]
         self.owner = dict(zip(pids, owners(shapes, world)))
         self.world = world
         self.ns_flops = 0  # this rank's Newton-Schulz matmul FLOPs so far (bench/, tests)
@@ -109,18 +118,16 @@ class WholeMatrix:
     def _momentum(self, mats, rows, hp, args) -> tuple[dict, list]:
         """Phase 1: the momentum of this rank's pieces; the owner's own pieces go into its inputs
         (flat bf16, the parameter's memory order), the others' slice pieces to their owners."""
-        e = self.engine
         grad_scale = args.get("grad_scale")
         inv = gradients.inverse_scale(grad_scale) if grad_scale is not None else None
-        group_of = e.group_of
-        inputs = {pid: torch.empty(e.params[pid].numel(), dtype=torch.bfloat16, device=e.device)
+        group_of = self.group_of
+        inputs = {pid: torch.empty(self.params[pid].numel(), dtype=torch.bfloat16, device=self.device)
                   for pid, _, _ in mats if self.owner[pid] == self.rank}
         sends = [[] for _ in range(self.world)]
         for pid, lay, _ in mats:
             g = hp[group_of[pid]]
             for unit, (so, n, _, go, _, elem) in rows.get(pid, ()):
-                grad = gradients.gradient(unit.grad[go:go + n], float(e.reduction.grad_div[pid]), inv,
-                                          args.get("clip_coef"))
+                grad = gradients.gradient(unit.grad[go:go + n], float(self.grad_div[pid]), inv, args.get("clip_coef"))
                 piece = muon.momentum_update(grad, unit.state["momentum_buffer"][so:so + n], g["momentum"],
                                              g["nesterov"], self.ok[pid])
                 if self.owner[pid] == self.rank:
@@ -144,15 +151,14 @@ class WholeMatrix:
     def _orthogonalize(self, mats, inputs, hp) -> dict:
         """Phase 3: Newton-Schulz of each owned matrix, in its parameter's shape and strides; the
         result flat in the same memory order."""
-        e = self.engine
         out, flops = {}, 0
         for pid, _, _ in mats:
             if self.owner[pid] != self.rank:
                 continue
-            p, g = e.params[pid], hp[e.group_of[pid]]
+            p, g = self.params[pid], hp[self.group_of[pid]]
             ortho = muon.newton_schulz(strided_view(inputs[pid], p), g["ns_coefficients"], int(g["ns_steps"]),
                                        g["eps"])
-            flat = torch.empty(p.numel(), dtype=torch.bfloat16, device=e.device)
+            flat = torch.empty(p.numel(), dtype=torch.bfloat16, device=self.device)
             strided_view(flat, p).copy_(ortho)
             out[pid] = flat
             flops += muon.ns_flops(p.shape, int(g["ns_steps"]))
@@ -183,12 +189,11 @@ class WholeMatrix:
         """Phase 5: weight decay and step on this rank's pieces, the masters' pieces rounded into the
         parameters. A matrix's pieces are this rank's rows of it, in element order: the order of its
         runs the owner sent."""
-        e = self.engine
         at = [0] * self.world
         for pid, _, _ in mats:
             owner = self.owner[pid]
-            g = hp[e.group_of[pid]]
-            step_lr = muon.adjusted_lr(g["lr"], g["adjust_lr_fn"], e.params[pid].shape)
+            g = hp[self.group_of[pid]]
+            step_lr = muon.adjusted_lr(g["lr"], g["adjust_lr_fn"], self.params[pid].shape)
             for unit, (so, n, po, _, _, elem) in rows.get(pid, ()):
                 if owner == self.rank:
                     ortho = results[pid][elem:elem + n]
@@ -204,13 +209,12 @@ class WholeMatrix:
     def _exchange(self, sends: list[list[torch.Tensor]], in_sizes: list[int]) -> list[torch.Tensor]:
         """One all_to_all of bf16 pieces over the shard group (moved as bytes: gloo has no 16-bit
         all_to_all); returns what came from each rank."""
-        e = self.engine
         if self.world == 1:
-            return [torch.empty(0, dtype=torch.bfloat16, device=e.device)]
+            return [torch.empty(0, dtype=torch.bfloat16, device=self.device)]
         out_sizes = [sum(t.numel() for t in pieces) for pieces in sends]
         flat = [t for pieces in sends for t in pieces]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=e.device)
-        recv = torch.empty(sum(in_sizes), dtype=torch.bfloat16, device=e.device)
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        recv = torch.empty(sum(in_sizes), dtype=torch.bfloat16, device=self.device)
         collectives.all_to_all_single(recv.view(torch.uint8), send.view(torch.uint8), [2 * k for k in in_sizes],
                                       [2 * k for k in out_sizes], self.group)
         return list(recv.split(in_sizes))

@@ -21,6 +21,8 @@ parameter of the member is updated in copies, with the counts on the device (upd
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...update import gradients
@@ -30,12 +32,20 @@ from ..buckets.strides import strided_view
 from ..comm import collectives
 from ..comm.profiling import range_push
 
+if TYPE_CHECKING:
+    from ..buckets.params import Parameters
+
 
 class WholeParams:
     """One member's whole-parameter step over the buckets the pipeline hands it (updates.py)."""
 
-    def __init__(self, engine, member, group):
-        self.engine, self.member, self.group = engine, member, group
+    def __init__(self, parameters: Parameters, reduction, member, group):
+        """``parameters``: the engine's parameter table (buckets/params.py); ``reduction``: the stage that
+        reduced the gradients (reducing/reduction.py: its divisors, and whether one all-reduce left each
+        bucket whole); ``group``: the process group of the all-gathers (updates.py)."""
+        self.member, self.group = member, group
+        self.params, self.group_of = parameters.tensors, parameters.group_of
+        self.grad_div, self.one_all_reduce = reduction.grad_div, reduction.one_all_reduce
 
     def step(self, it, items, tables: list[torch.Tensor], units, args: dict) -> None:
         """The member's update of ``items``; ``tables``: its coefficient table for each item (columns
@@ -61,9 +71,9 @@ class WholeParams:
                     self._bucket(shard, mine, table.tolist(), skip, inv, args.get("clip_coef"), hp, rows)
 
     def _bucket(self, shard, mine: list[int], table: list, skip: bool, inv, clip, hp: list[dict], rows) -> None:
-        e, algo = self.engine, self.member.algo
+        algo = self.member.algo
         lay = shard.layout
-        grads = self._whole(shard.reduced_buffer, lay, reduced=e.reduction.one_all_reduce)
+        grads = self._whole(shard.reduced_buffer, lay, reduced=self.one_all_reduce)
         masters = None
         if "master" in shard.names:
             region = shard.values("master")
@@ -74,10 +84,10 @@ class WholeParams:
             c = table[pid]
             if skip or c[0] == 0.0:
                 continue
-            p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
+            p, off, n = self.params[pid], lay.offsets[local], lay.numels[local]
             grad = gradients.gradient(grads[off:off + n], c[1], inv, clip)
             weight = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
-            call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], []))
+            call = calls.setdefault(int(self.group_of[pid]), ([], [], [], [], []))
             for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, c[2] - 1,
                                          (weight, off, n))):
                 out.append(value)
@@ -94,20 +104,20 @@ class WholeParams:
     def _bucket_on_device(self, shard, mine: list[int], table: torch.Tensor, found, inv, clip, hp: list[dict],
                           rows) -> None:
         """``_bucket`` where the host must not read the device (module docstring)."""
-        e, algo = self.engine, self.member.algo
+        algo = self.member.algo
         lay = shard.layout
-        grads = self._whole(shard.reduced_buffer, lay, reduced=e.reduction.one_all_reduce)
+        grads = self._whole(shard.reduced_buffer, lay, reduced=self.one_all_reduce)
         masters = self._whole_region(shard.values("master"), lay) if "master" in shard.names else None
         keep = written(table, found)
         after = table[:, COLUMNS.index("step")]
         calls: dict[int, tuple] = {}
         for local in mine:
             pid = lay.pids[local]
-            p, off, n = e.params[pid], lay.offsets[local], lay.numels[local]
-            grad = gradients.gradient(grads[off:off + n], float(e.reduction.grad_div[pid]), inv, clip)
+            p, off, n = self.params[pid], lay.offsets[local], lay.numels[local]
+            grad = gradients.gradient(grads[off:off + n], float(self.grad_div[pid]), inv, clip)
             held = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
             weight = held.clone()
-            call = calls.setdefault(int(e.group_of[pid]), ([], [], [], [], [], []))
+            call = calls.setdefault(int(self.group_of[pid]), ([], [], [], [], [], []))
             for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, after[pid], keep[pid],
                                          (held, weight, off, n))):
                 out.append(value)

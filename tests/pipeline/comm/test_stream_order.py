@@ -51,11 +51,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 from fused_zero.checkpoint.serving import peers as serving
-from fused_zero.pipeline import engine as engine_module
 from fused_zero.pipeline.comm import collectives
 from fused_zero.pipeline.comm import streams as streams_module
 from fused_zero.pipeline.reducing import hooks as hooks_module
 from fused_zero.pipeline.reducing.reduction import Reduction
+from fused_zero.pipeline.step_end.stepping import Stepping
 from fused_zero.pipeline.updating.updates import Updates
 from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.testing.streamcheck.backends import patched
@@ -261,20 +261,18 @@ def _publish_before_the_join(self, it, member):
 
 
 def _start_without_the_flag(self, it):
-    """Defect 3 as it was (with ``_start_after_the_reduction``): no flag and no edge at the start."""
+    """Defect 3 as it was (with ``_zero_filled_after_the_reduction``): no flag and no edge at the start."""
     self.side.join()
-    it.hparams = [self._read_hparams(m) for m in self.members]
+    it.hparams = [m.hparams() for m in self.members]
     it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
 
 
-def _start_after_the_reduction(real):
-    def start_then_zero_fill(self, shard, buffer):
-        reduced = real(self, shard, buffer)
-        it = self.engine.iteration
+def _zero_filled_after_the_reduction(real):
+    def zero_fill_then_update(self, it, count, *args, **kwargs):
         if it.found_inf is None:  # zero-filled on the compute stream once the reduction was issued
-            it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
-        return reduced
-    return start_then_zero_fill
+            it.found_inf = torch.zeros(1, dtype=torch.float32, device=self.side.device)
+        return real(self, it, count, *args, **kwargs)
+    return zero_fill_then_update
 
 
 def _step_without_the_join(real):
@@ -356,28 +354,28 @@ REVERTED = {
          (collectives, "reduce_scatter_has_future", _has_future_without_the_device)],
         {**BASE, "pg_backend": None}, "(train) after communication stream 0 ran collectives.reduce_scatter"),
     "skip counter before the join": (
-        [(engine_module.Engine, "_count_skip", _count_skip_before_the_join)],
+        [(Stepping, "_count_skip", _count_skip_before_the_join)],
         dict(overlap="step", grad_reduce="reduce_scatter", scaler=False, param_sync="step", find_unused=False),
         "_count_skip_before_the_join"),
     "GradScaler flag before the join": (
-        [(engine_module.Engine, "_count_skip", _publish_before_the_join)],
+        [(Stepping, "_count_skip", _publish_before_the_join)],
         dict(overlap="step", grad_reduce="all_reduce", scaler=True, param_sync="step", find_unused=False),
         "amp.py"),
     "found-inf zero-fill unordered": (
-        [(engine_module.Engine, "_start_iteration", _start_without_the_flag),
-         (Reduction, "start", _start_after_the_reduction(Reduction.start))],
+        [(Stepping, "start_iteration", _start_without_the_flag),
+         (Updates, "finish", _zero_filled_after_the_reduction(Updates.finish))],
         dict(overlap="bucket", grad_reduce="reduce_scatter", scaler=False, param_sync="step", find_unused=False),
-        "start_then_zero_fill"),
+        "zero_fill_then_update"),
     # not defects found in the code, but edges it must keep: each one removed is named too
     "step() not joining the side stream": (
-        [(engine_module.Engine, "step", _step_without_the_join(engine_module.Engine.step))], BASE,
+        [(Stepping, "step", _step_without_the_join(Stepping.step))], BASE,
         "freed while in use"),
     "forward not waiting for the gathers": (
         [(hooks_module.ForwardWait, "__call__", _forward_wait_skipped)], BASE, "collectives.all_gather"),
     "update not waiting for the reduction": (
         [(Updates, "finish", _finish_without_waiting(Updates.finish))], BASE, "collectives.reduce_scatter"),
     "bf16 staging copy freed before the join": (
-        [(engine_module.Engine, "_end_iteration", _end_dropping_the_copies(engine_module.Engine._end_iteration))],
+        [(Stepping, "_end_iteration", _end_dropping_the_copies(Stepping._end_iteration))],
         {**BASE, "reduce_dtype": torch.bfloat16},
         "freed while in use"),
     "8-bit block index on the host": (
