@@ -33,8 +33,8 @@ import math
 import numpy as np
 from scale_model import WORLDS, _gb, build, ddp_bucket_params, run
 
+from fused_zero.algorithms import muon
 from fused_zero.pipeline.updating.whole_matrix import owners  # the assignment fused_zero.Muon makes
-from fused_zero.update import muon
 
 NS_STEPS = 5
 ELEMENT_BYTES = 2  # bf16: u to the owner, the NS result back

@@ -14,8 +14,8 @@ import time
 import torch
 
 import fused_zero
+from fused_zero.algorithms.step_columns import UPLOAD_ROWS
 from fused_zero.testing.streamcheck import StreamChecker
-from fused_zero.update.step_columns import UPLOAD_ROWS
 
 
 def pinned(engine) -> tuple[int, int]:

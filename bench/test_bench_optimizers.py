@@ -24,10 +24,10 @@ import pytest
 import torch
 from test_bench_step import CLOCK, CUDA, PAIR_WORLD, _median, _report, device_name, run_ranks
 
-from fused_zero.update import registry
+from fused_zero.algorithms import registry
 
 HP = {d.name: d.bench for d in registry.DECLARATIONS if d.bench is not None}
-"""Each benchmarked optimizer's hyperparameters, as it declares them (fused_zero/update/registry.py)."""
+"""Each benchmarked optimizer's hyperparameters, as it declares them (fused_zero/algorithms/registry.py)."""
 OPTIMIZERS = list(HP)
 MODEL = (256, 4, 8) if not CUDA else (1024, 8, 16)  # n_embd, n_layer, n_head
 ITERS = int(os.environ.get("FUSED_ZERO_BENCH_ITERS", 20 if CUDA else 6))

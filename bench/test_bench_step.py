@@ -52,7 +52,7 @@ Benchmarks (groups):
     host-w<W>             the orchestrator's own host cost: ``Engine.on_bucket`` (the DDP comm hook) is
                           wrapped in the ranks to add up ``time.perf_counter`` deltas and count calls;
                           the statistic is, per iteration, time inside on_bucket / buckets (nothing
-                          subtracted). ``algo.update`` is counted as well ("launches": update calls per
+                          subtracted). ``algo.apply`` is counted as well ("launches": update calls per
                           step) and timed (``update_us_per_launch``). The demo GPT with 10 layers (124
                           parameters) and bucket_cap_mb 0.0001: one bucket per parameter, 124 buckets;
                           world 1 and 2; overlap bucket, backward and step. On CPU with backend
@@ -206,7 +206,7 @@ class _Marks:
 
 
 class _HostProbe:
-    """Wraps ``Engine.on_bucket`` (class-wide) and one engine's ``algo.update`` to add up host time."""
+    """Wraps ``Engine.on_bucket`` (class-wide) and one engine's ``algo.apply`` to add up host time."""
 
     def __init__(self):
         from fused_zero.pipeline import engine as fz_engine
@@ -231,7 +231,7 @@ class _HostProbe:
 
     def watch_updates(self, opt) -> None:
         algo = opt._engine.members[0].algo
-        update = algo.update
+        update = algo.apply
         probe = self
 
         def timed_update(*args, **kwargs):
@@ -242,7 +242,7 @@ class _HostProbe:
                 probe.update_s += time.perf_counter() - t0
                 probe.updates += 1
 
-        algo.update = timed_update
+        algo.apply = timed_update
 
     def snapshot(self) -> tuple[float, int, float, int]:
         return self.bucket_s, self.buckets, self.update_s, self.updates

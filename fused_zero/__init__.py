@@ -13,7 +13,7 @@ _checkout.mount_package_dirs(__name__)  # in a source checkout: the kernels, as 
 from .optimizer import OPTIMIZERS  # noqa: E402
 from .optimizer.twins import NO_TWIN  # noqa: E402
 
-globals().update(OPTIMIZERS)  # every optimizer update/registry.py declares, by its name
+globals().update(OPTIMIZERS)  # every optimizer algorithms/registry.py declares, by its name
 
 __all__ = [*OPTIMIZERS, "__version__"]
 

@@ -1,7 +1,7 @@
 r"""How the kernels store what they keep: optimizer moments in fp32, bf16 or 8 bits, and bf16 weights
 rounded to nearest or stochastically. Every recipe here is integer bit arithmetic on the fp32 result,
 so the interpreter (numpy) and the GPU compute the same bits, and a plain-torch reference can too
-(tests/kernels/kernel_reference.py; the CPU path, fused_zero/update/codecs.py).
+(tests/kernels/kernel_reference.py; the CPU path, fused_zero/algorithms/codecs.py).
 
 **bf16 moments**: the fp32 value rounded to nearest even, as ``tensor.to(torch.bfloat16)`` rounds.
 

@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
-from fused_zero.update import registry
+from fused_zero.algorithms import registry
 
 VOCAB, DIM, HIDDEN = 13, 7, 33
 
@@ -95,7 +95,7 @@ class Case:
 
 
 DEFAULT_HPARAMS = {d.name: dict(d.test) for d in registry.DECLARATIONS}
-"""Each optimizer's hyperparameters in the tests, as it declares them (fused_zero/update/registry.py):
+"""Each optimizer's hyperparameters in the tests, as it declares them (fused_zero/algorithms/registry.py):
 each with its options that change the update on (weight decay, momentum, centering, a nonzero start)."""
 
 CONSTRUCTOR_ONLY = {d.name: d.constructor_only for d in registry.DECLARATIONS if d.constructor_only}
@@ -319,7 +319,7 @@ def _broken_update(case: Case, opt, model, step_of):
     engine = opt._engine
     pid = engine.pid_of[dict(model.named_parameters())[name]]
     algo = engine.members[0].algo
-    real = algo.update
+    real = algo.apply
 
     def update(backend, rows, segments, coefs, args):
         if step_of() != at or not any(r[4] == pid for r in rows):
@@ -328,11 +328,11 @@ def _broken_update(case: Case, opt, model, step_of):
         if how == "double":
             real(backend, [r for r in rows if r[4] == pid], segments, coefs, args)
 
-    algo.update = update
+    algo.apply = update
     try:
         yield
     finally:
-        algo.update = real
+        algo.apply = real
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:

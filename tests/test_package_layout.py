@@ -7,12 +7,12 @@ and each import checked against what its part may import.
     params       options (the parameters an optimizer updates, collected and checked)
     versions     nothing of fused_zero (the tested torch and Triton range, checked at import)
     checkout     nothing of fused_zero (a source checkout's pyproject.toml: its version, its package-dir)
-    update       kernels
-    pipeline     kernels, options, params, update
-    checkpoint   kernels, options, params, update, pipeline
-    testing      kernels, options, update, pipeline (the stream-order checker the tests run the engine
+    algorithms   kernels (each optimizer's maths and declaration)
+    pipeline     kernels, options, params, algorithms
+    checkpoint   kernels, options, params, algorithms, pipeline
+    testing      kernels, options, algorithms, pipeline (the stream-order checker the tests run the engine
                  under: fused_zero/testing/streamcheck/)
-    optimizer    options, params, update, pipeline, checkpoint
+    optimizer    options, params, algorithms, pipeline, checkpoint
     root         (fused_zero/__init__.py) optimizer, versions, checkout
     integrations (lightning, accelerate, transformers) root, optimizer, options, and each other
     demo         root, optimizer, options
@@ -47,11 +47,11 @@ ALLOWED = {
     "params": {"options"},
     "versions": set(),
     "checkout": set(),
-    "update": {"kernels"},
-    "pipeline": {"kernels", "options", "params", "update"},
-    "checkpoint": {"kernels", "options", "params", "update", "pipeline"},
-    "testing": {"kernels", "options", "update", "pipeline"},
-    "optimizer": {"options", "params", "update", "pipeline", "checkpoint"},
+    "algorithms": {"kernels"},
+    "pipeline": {"kernels", "options", "params", "algorithms"},
+    "checkpoint": {"kernels", "options", "params", "algorithms", "pipeline"},
+    "testing": {"kernels", "options", "algorithms", "pipeline"},
+    "optimizer": {"options", "params", "algorithms", "pipeline", "checkpoint"},
     "root": {"optimizer", "versions", "checkout"},
     "integrations": {"root", "optimizer", "options", "integrations"},
     "demo": {"root", "optimizer", "options"},
@@ -150,7 +150,7 @@ def test_imports_follow_the_map(module, path):
     ("fused_zero.checkpoint.sharded", "from ..demo.spawn import run_ranks\n", "checkpoint"),
     ("fused_zero.kernels.adam", "from fused_zero.pipeline.buckets import layout\n", "kernels"),
     ("fused_zero.kernels.norm", "import torch.distributed as dist\n", "torch.distributed"),
-    ("fused_zero.update.algorithms", "from ..optimizer import AdamW\n", "update"),
+    ("fused_zero.algorithms.fused", "from ..optimizer import AdamW\n", "algorithms"),
 ])
 def test_a_forbidden_import_is_named(module, source, expected):
     """The check itself can fail: each of these imports breaks the map and is reported."""
@@ -237,13 +237,13 @@ def test_an_import_circle_is_named():
                "fused_zero.versions": ("from .options import Options\n", False),
                "fused_zero.pipeline.engine": ("from ..checkpoint import canonical\n", False),
                "fused_zero.checkpoint.canonical": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                                   "    from fused_zero.update import algorithms\n", False),
-               "fused_zero.update.algorithms": ("def f():\n    from ..pipeline import engine\n", False),
+                                                   "    from fused_zero.algorithms import fused\n", False),
+               "fused_zero.algorithms.fused": ("def f():\n    from ..pipeline import engine\n", False),
                "fused_zero.kernels": ("import fused_zero.options\n", True)}
     found = circles(import_graph(sources))
     assert ["fused_zero.options", "fused_zero.versions", "fused_zero.options"] in found, found
-    assert ["fused_zero.checkpoint.canonical", "fused_zero.update.algorithms", "fused_zero.pipeline.engine",
-            "fused_zero.checkpoint.canonical"] in found, found
+    assert ["fused_zero.algorithms.fused", "fused_zero.pipeline.engine", "fused_zero.checkpoint.canonical",
+            "fused_zero.algorithms.fused"] in found, found
     assert len(found) == 2, found
 
 
@@ -699,7 +699,7 @@ def test_the_face_count_sees_a_wide_reader():
 
 def engine_handed_out(source: str) -> list[str]:
     """The calls in the Engine class that hand the engine (``self``) to another object, but for an
-    algorithm's own check (``algo.check_engine``: update/, outside pipeline/, held by the outside count)."""
+    algorithm's own check (``algo.check_engine``: algorithms/, outside pipeline/, held by the outside count)."""
     out = []
     for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "Engine"):
         for node in (n for n in ast.walk(cls) if isinstance(n, ast.Call)):

@@ -1,8 +1,8 @@
-"""Each optimizer declared once (fused_zero/update/registry.py; docs/design-optimizers.md, "One declaration
+"""Each optimizer declared once (fused_zero/algorithms/registry.py; docs/design-optimizers.md, "One declaration
 per optimizer"), and everything else asking it:
 
 - no module of checkpoint/ or pipeline/ compares an optimizer's kind with a name (``algo.kind == "sgd"``,
-  or a name bound to ``algo.kind`` and compared later): they ask the interface (update/interface.py);
+  or a name bound to ``algo.kind`` and compared later): they ask the interface (algorithms/interface.py);
 - no module of the package probes an algorithm for a member it may lack (``getattr(algo, ...)``,
   ``hasattr``, ``isinstance``): every member is declared, with a docstring, on ``Algorithm``;
 - the public names (``fused_zero.__all__``, ``fused_zero.optimizer.__all__``, optimizer/twins.py's), the
@@ -21,9 +21,9 @@ from scenarios import CONSTRUCTOR_ONLY, DEFAULT_HPARAMS
 
 import fused_zero
 import fused_zero.optimizer
+from fused_zero.algorithms import interface, registry
 from fused_zero.optimizer import twins
 from fused_zero.optimizer.base import _ShardedOptimizer
-from fused_zero.update import interface, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fused_zero"
@@ -149,7 +149,7 @@ NAMES = [d.name for d in registry.DECLARATIONS]
 def name_differences(public: list[str], extra: tuple[str, ...] = ()) -> list[str]:
     """How a list of public names differs from the registry's optimizers (in its order) plus ``extra``."""
     optimizers = [n for n in public if n not in extra]
-    out = [f"{n} is not declared in update/registry.py" for n in optimizers if n not in NAMES]
+    out = [f"{n} is not declared in algorithms/registry.py" for n in optimizers if n not in NAMES]
     out += [f"{n} is declared but not public" for n in NAMES if n not in optimizers]
     if not out and optimizers != NAMES:
         out.append(f"{optimizers} are not in the registry's order {NAMES}")
@@ -215,7 +215,7 @@ def undocumented_members(source: str, cls: str = "Algorithm") -> list[str]:
 
 
 def test_every_member_of_the_interface_says_what_it_is():
-    assert undocumented_members((PACKAGE / "update" / "interface.py").read_text()) == []
+    assert undocumented_members((PACKAGE / "algorithms" / "interface.py").read_text()) == []
 
 
 def test_an_undocumented_member_is_named():

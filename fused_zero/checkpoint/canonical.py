@@ -39,7 +39,7 @@ from .checks import MASTER_KEY
 
 def has_state(view, i: int) -> bool:
     """torch.optim creates a parameter's state on its first step (SGD: only with momentum; Adagrad: when
-    it is built): update/interface.Algorithm.has_state."""
+    it is built): algorithms/interface.Algorithm.has_state."""
     return view.algo.has_state(view.counts()[i], view.opt.param_groups[view.table.group_of[i]])
 
 
@@ -52,7 +52,7 @@ def state_names_of(view, shard, i: int) -> list[str]:
 
 def kept_entries(view, i: int) -> dict:
     """Parameter ``i``'s state kept on every rank beside the regions (NAdam's ``mu_product``, ASGD's
-    ``eta`` and ``mu``: update/elementwise.py; Adafactor's factored statistics: update/adafactor.py),
+    ``eta`` and ``mu``: algorithms/elementwise.py; Adafactor's factored statistics: algorithms/adafactor.py),
     on the CPU."""
     algo = view.algo
     if not algo.kept_names:

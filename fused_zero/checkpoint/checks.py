@@ -12,8 +12,8 @@ import math
 
 import torch
 
+from ..algorithms import registry
 from ..pipeline.comm import collectives
-from ..update import registry
 
 MASTER_KEY = "fp32_master"
 """The canonical dict's per-parameter entry holding the fp32 master weights of a bf16/fp16 parameter.
@@ -25,7 +25,7 @@ class StateDictError(ValueError):
 
 def check_structure(sd, algo) -> None:
     """The outer shape: what a truncated file or an unrelated object fails; every param group holds the
-    keys of ``algo``'s kind (update/interface.Algorithm.group_keys), or the dict is another kind's."""
+    keys of ``algo``'s kind (algorithms/interface.Algorithm.group_keys), or the dict is another kind's."""
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(
             sd.get("param_groups"), list):
         keys = f" with keys {sorted(map(str, sd))}" if isinstance(sd, dict) else ""
@@ -91,7 +91,7 @@ def check_entry(view, pid: int, where: str, entry, shape, required: list[str]) -
         if entry.get(name) is None:
             raise StateDictError(f"{where} lacks {name!r}, which {algo.title} needs")
     for name, value in entry.items():
-        if name in algo.kept_names:  # kept on every rank, in its own shape (update/elementwise.py, adafactor.py)
+        if name in algo.kept_names:  # kept on every rank, in its own shape (algorithms/elementwise.py, adafactor.py)
             error = algo.check_kept(name, value, view.table.params[pid].shape)
             if error is not None:
                 raise StateDictError(f"{where}: {error}")

@@ -38,7 +38,7 @@ thus costs one copy of the rank's own state (DCP then writes it chunk by chunk).
 groups and records the format, the optimizer kind, state names and parameter shapes, so that a mismatch
 is named before anything loads.
 
-Compact moments (``state_format``, update/codecs.py) are saved as stored: 8-bit codes (one byte an
+Compact moments (``state_format``, algorithms/codecs.py) are saved as stored: 8-bit codes (one byte an
 element, in the parameter's element space like every other state tensor) and bf16 values, under the
 same keys; ``fused_zero`` records which (``"stored"``) and, for 8-bit moments, every block's first
 element and scale (``"blocks"``, 12 bytes a block of up to 2048 elements). The blocks are the saving
@@ -56,10 +56,10 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..algorithms import registry
+from ..algorithms.codecs import DTYPES, SIGNED, decode
 from ..pipeline.buckets.strides import memory_order
 from ..pipeline.comm import collectives
-from ..update import registry
-from ..update.codecs import DTYPES, SIGNED, decode
 from . import canonical, checks, loading
 from .checks import MASTER_KEY, StateDictError
 from .chunks import STORED, _chunks, _owned, _tensor

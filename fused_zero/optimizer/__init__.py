@@ -9,7 +9,7 @@ sharded (in one process without DDP, the plain module: pipeline/local.py), or le
 ``opt.attach(ddp)`` once the DDP exists (build first, attach later); the others are ShardingOptions'
 fields. Several may share one DDP module, each with parameters of its own (sharing.py).
 
-Which optimizers there are is update/registry.py's list: ``OPTIMIZERS`` (and ``__all__``, and the
+Which optimizers there are is algorithms/registry.py's list: ``OPTIMIZERS`` (and ``__all__``, and the
 package's own) maps each declared name to its class, written out here, or made from torch's signature
 (twins.py).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..update import adam, muon, registry, sgd
+from ..algorithms import adam, muon, registry, sgd
 from . import twins
 from .base import _ShardedOptimizer
 from .twins import NO_TWIN, TWINS
@@ -104,7 +104,7 @@ _WRITTEN = {cls.__name__: cls for cls in (AdamW, Adam, SGD, Muon)}
 
 OPTIMIZERS: dict[str, type[_ShardedOptimizer]] = {
     d.name: twins.CLASSES[d.name] if d.generic else _WRITTEN[d.name] for d in registry.DECLARATIONS}
-"""Every fused_zero optimizer class, by name, in the registry's order (update/registry.py)."""
+"""Every fused_zero optimizer class, by name, in the registry's order (algorithms/registry.py)."""
 
 globals().update(OPTIMIZERS)
 

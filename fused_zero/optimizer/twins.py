@@ -1,6 +1,6 @@
-"""fused_zero's twins made from torch's own constructors: one class per declaration of update/registry.py
-marked ``generic`` (the elementwise twins of update/elementwise.py's ``SPECS``, and Adafactor:
-update/adafactor.py), and the optimizer table ``fused-zero options`` prints.
+"""fused_zero's twins made from torch's own constructors: one class per declaration of algorithms/registry.py
+marked ``generic`` (the elementwise twins of algorithms/elementwise.py's ``SPECS``, and Adafactor:
+algorithms/adafactor.py), and the optimizer table ``fused-zero options`` prints.
 
 Each takes torch.optim.<Name>'s arguments, positional and keyword, with the installed torch's defaults
 and checks: its arguments go through torch.optim.<Name>'s own constructor (over one scalar stand-in
@@ -19,8 +19,8 @@ import inspect
 
 import torch
 
-from ..update import registry
-from ..update.interface import Declaration
+from ..algorithms import registry
+from ..algorithms.interface import Declaration
 from .base import _ShardedOptimizer
 
 NO_TWIN = {

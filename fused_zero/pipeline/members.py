@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..update.interface import Algorithm
+from ..algorithms.interface import Algorithm
 from .step_end.amp import ScalerLink
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class Member:
     Attributes:
         index: its position among the engine's members (the order they attached in).
         opt: the optimizer (its ``param_groups`` are read at every step).
-        algo: its algorithm (update/interface.Algorithm: what the engine asks of it).
+        algo: its algorithm (algorithms/interface.Algorithm: what the engine asks of it).
         pids: the engine's indices of its parameters, in its own order.
         group_formats: each of its param groups' state format.
         scaler: its link to the user's GradScaler (GradScaler keeps a state per optimizer), or None.

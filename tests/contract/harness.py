@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
 
-HP = DEFAULT_HPARAMS  # each optimizer's, as it declares them (fused_zero/update/registry.py)
+HP = DEFAULT_HPARAMS  # each optimizer's, as it declares them (fused_zero/algorithms/registry.py)
 
 
 @dataclass

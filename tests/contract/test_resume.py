@@ -1,6 +1,6 @@
 """Resuming under DDP past step 32 (the contract suite: conftest.py): torch.optim's state dict loaded into a
 fresh fused_zero optimizer over a fresh DDP module at step 34, where Adam's bias tables (sized by the step
-counts: update/step_columns.py) must cover the loaded counts, continues bit for bit with DDP + torch.optim
+counts: algorithms/step_columns.py) must cover the loaded counts, continues bit for bit with DDP + torch.optim
 trained without a break; so does a DCP checkpoint; and Muon beside an AdamW with 8-bit moments, through
 DCP, attached in either order, is saved as each keeps its state (the 8-bit moments as uint8 codes with
 their blocks' scales) and continues as the optimizers that saved it do.

@@ -891,8 +891,8 @@ def case_several_optimizers():
 
 DEVICE_COUNTS = {"Adagrad": {"fused": True}, "Adafactor": {}}
 """torch.optim's form whose step counts stay on the device, as the twins' CUDA path keeps them
-(update/elementwise.py): ``capturable=True`` but for these (Adagrad has only a fused path; Adafactor has
-neither, and its device path rounds two scalars otherwise: update/adafactor.py)."""
+(algorithms/elementwise.py): ``capturable=True`` but for these (Adagrad has only a fused path; Adafactor has
+neither, and its device path rounds two scalars otherwise: algorithms/adafactor.py)."""
 
 
 def _torch_optimizers(rank, world, steps=6):

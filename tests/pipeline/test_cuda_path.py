@@ -145,7 +145,7 @@ def check_every_launch_under_the_guard(rank, world):
         engine = opt._engine
         side = GuardRecorder(engine.side)
         # the update is the algorithm's; the norm pass a function the check and the warm-up call
-        owners = ((engine.members[0].algo, "update"), (fused_zero.pipeline.updating.norm_check, "grad_sumsq"),
+        owners = ((engine.members[0].algo, "apply"), (fused_zero.pipeline.updating.norm_check, "grad_sumsq"),
                   (fused_zero.pipeline.updating.warmup, "grad_sumsq"))
         reals = [getattr(owner, name) for owner, name in owners]
         for (owner, name), real in zip(owners, reals):
@@ -412,9 +412,9 @@ def test_8bit_regions_are_decoded_and_encoded_on_their_device():
     (issue 23, defect 2: built on the host, CUDA refused it as an index at the first bucket rebuild).
     Under the checker, whose device memory is what a factory makes with a ``device=`` torch.device; two
     pieces with a gap no row covers. The codes and scales are the ones a masked encoding gives."""
+    from fused_zero.algorithms import codecs
     from fused_zero.kernels import row_table
     from fused_zero.testing.streamcheck import StreamChecker
-    from fused_zero.update import codecs
 
     device = torch.device("cpu")
     x = torch.randn(3200, generator=torch.Generator().manual_seed(0), dtype=torch.float32)

@@ -22,9 +22,9 @@ import bisect
 
 import torch
 
+from ...algorithms.codecs import BlockTable
 from ...kernels import Segments, row_table
 from ...kernels.segments import VEC, VECTOR
-from ...update.codecs import BlockTable
 from .shard import BucketShard
 
 ARENA_ALIGN = 32

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...algorithms import codecs
+from ...algorithms.codecs import DTYPES
 from ...kernels import Segments, row_table
-from ...update import codecs
-from ...update.codecs import DTYPES
 from ..gathering.gather import BucketGather
 from .layout import BucketLayout
 from .strides import strided_view
@@ -42,7 +42,7 @@ class Part:
 
     Attributes:
         member: the member (optimizer) whose parameters these are: its algorithm updates them.
-        format: the moments' storage format (update/codecs.py).
+        format: the moments' storage format (algorithms/codecs.py).
         state: state name -> tensor of ``size`` slots in that format (fp32 ``"master"``).
         scales: 8-bit moments' fp32 scales, one per row of ``table``; else empty.
         rows: host kernel pieces indexing ``state`` (the shard's parameter and gradient offsets);

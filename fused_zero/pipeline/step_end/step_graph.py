@@ -19,7 +19,7 @@ Whose: the members built with ``capturable=True`` (AdamW, Adam: the fused kernel
 in tensors kept across steps). The other optimizers over the same DDP module (SGD, Muon, torch.optim's
 twins, Adafactor: torch ops that make new tensors every step, which a graph would hold in a pool of its
 own) step eagerly beside them, each ``step()`` its own, with no host synchronization either
-(update/elementwise.py).
+(algorithms/elementwise.py).
 
 When: the device work of a step is described by its *key*: every tensor it reads or writes (address,
 shape, dtype), every Python value it bakes into a launch (``max_norm``, an edit's flag), every layout

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...update.algorithms import clip_coefficient, grad_sumsq
+from ...algorithms.fused import clip_coefficient, grad_sumsq
 from ..comm import collectives
 from .launches import Unit
 

@@ -10,7 +10,7 @@ them only where it is asked to (``host``: a checkpoint, a reader of ``engine.ste
 on a load.
 
 What the host still knows is a bound: no count exceeds ``bound`` (each iteration adds one at most, a
-load sets them), which sizes the bias-correction tables (update/step_columns.py) without a read.
+load sets them), which sizes the bias-correction tables (algorithms/step_columns.py) without a read.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The coefficient tables of a step: one per member, one row per parameter of the engine, on the
-update's device. Built in two halves (update/interface.py): the host's columns and the step columns'
+update's device. Built in two halves (algorithms/interface.py): the host's columns and the step columns'
 inputs uploaded when the table is made (``build``), the step columns written from the device's counts by
 the device work that reads the table (``fill_steps``), so that work reads device memory only and a CUDA
 graph can hold it (step_graph.py). A part of the updates' stage (updates.py)."""
@@ -39,7 +39,7 @@ class CoefficientTables:
         """One member's update scalars for this step, one row per parameter of the engine (the other
         members' rows inactive), on the update's device: the host's columns and the step columns'
         inputs uploaded now; the step columns written from the counts by the device work that reads the
-        table (``fill_steps``, update/step_columns.py)."""
+        table (``fill_steps``, algorithms/step_columns.py)."""
         m = self.parameters.members[member]
         group_idx = self.parameters.group_index(member)
         host = m.algo.coefficients(hparams, group_idx, active * (self.parameters.member_of == member), self.grad_div)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...update.algorithms import UpdateArgs
-from ...update.interface import Runs
+from ...algorithms.fused import UpdateArgs
+from ...algorithms.interface import Runs
 from ..buckets.shard import BucketShard
 from ..buckets.topology import post_update_groups
 from ..comm.profiling import range_push
@@ -202,7 +202,7 @@ class Updates:
             algo = self.members[unit.member].algo
             if not algo.runs.phased:
                 with range_push("fused_zero.update"):
-                    algo.update(self.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
+                    algo.apply(self.backend, unit.rows, unit.segments, unit.table, UpdateArgs(
                         unit.grad, unit.param, unit.state, scales=unit.scales or None, blocks=unit.blocks,
                         **args[unit.member]))
             gathers(j)

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ...algorithms.codecs import DTYPES
+from ...algorithms.fused import UpdateArgs, grad_sumsq
 from ...kernels import Segments
-from ...update.algorithms import UpdateArgs, grad_sumsq
-from ...update.codecs import DTYPES
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...update import gradients, muon
+from ...algorithms import gradients, muon
 from ..buckets.layout import REPLICATED
 from ..buckets.strides import strided_view
 from ..comm import collectives

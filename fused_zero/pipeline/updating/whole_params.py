@@ -1,5 +1,5 @@
 """Updates that need each parameter whole on every rank (Adafactor's rows, columns and norms:
-update/adafactor.py), over gradients and masters sharded by element slices.
+algorithms/adafactor.py), over gradients and masters sharded by element slices.
 
 For each bucket holding parameters of the member, in bucket order, on every rank of the shard group:
 
@@ -15,8 +15,8 @@ For each bucket holding parameters of the member, in bucket order, on every rank
 Collectives are issued by every rank in the same order whatever its flags; a skipped step or a
 parameter without a gradient is then not updated, on every rank. On the CPU the host reads the flags and
 the counts and runs torch's function; where the device runs later (CUDA) the host reads nothing: every
-parameter of the member is updated in copies, with the counts on the device (update/adafactor.py's
-``device_step``), and ``torch.where`` writes the results where the flags allow (as update/elementwise.py).
+parameter of the member is updated in copies, with the counts on the device (algorithms/adafactor.py's
+``device_step``), and ``torch.where`` writes the results where the flags allow (as algorithms/elementwise.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...update import gradients
-from ...update.elementwise_calls import COLUMNS, written
-from ...update.torch_ops import working_weights
+from ...algorithms import gradients
+from ...algorithms.elementwise_calls import COLUMNS, written
+from ...algorithms.torch_ops import working_weights
 from ..buckets.strides import strided_view
 from ..comm import collectives
 from ..comm.profiling import range_push
@@ -49,7 +49,7 @@ class WholeParams:
 
     def step(self, it, items, tables: list[torch.Tensor], units, args: dict) -> None:
         """The member's update of ``items``; ``tables``: its coefficient table for each item (columns
-        ``active``, ``grad_div``, ``step``: update/elementwise.COLUMNS); ``units``: its launches on this
+        ``active``, ``grad_div``, ``step``: algorithms/elementwise.COLUMNS); ``units``: its launches on this
         rank (the rows of its region, for the masters' write-back)."""
         m = self.member.index
         found = args.get("found_inf")

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ... import kernels
+from ...algorithms.fused import FusedKernel
 from ...pipeline.comm import collectives, streams
 from ...pipeline.updating import norm_check, warmup
-from ...update.algorithms import FusedKernel
 from . import backends, standins
 from .clocks import Clocks, Hazard
 from .device import ModeledEvent, ModeledStreams, finished_serving
@@ -150,7 +150,7 @@ class StreamChecker:
             self._patch(owner, name, value)
         for owner, name, value in standins.capturable_on_the_host():
             self._patch(owner, name, value)
-        self._patch(FusedKernel, "update", standins.launch_update(self, FusedKernel.update))
+        self._patch(FusedKernel, "apply", standins.launch_apply(self, FusedKernel.apply))
         for caller in (norm_check, warmup):  # the norm pass, by the name its callers call it
             self._patch(caller, "grad_sumsq", standins.launch_norm(self, caller.grad_sumsq))
         for mode in self._modes:

@@ -55,9 +55,9 @@ def collective(checker, real, facts: collectives.Facts):
     return modeled
 
 
-def launch_update(checker, real):
+def launch_apply(checker, real):
     """The update launch as one kernel: what it reads and writes (its rows' slices), on the current stream."""
-    def update(algo, backend, rows, segments, coefs, args):
+    def apply(algo, backend, rows, segments, coefs, args):
         reads = [coefs] + ([segments.rows] if segments is not None else []) + \
             [t for t in (args.grad_scale, args.found_inf, args.clip_coef) if t is not None]
         reads += [args.grad[go:go + n] for _, n, _, go, *_ in rows]
@@ -70,7 +70,7 @@ def launch_update(checker, real):
             capture.operations.append(lambda: real(algo, backend, rows, segments, coefs, args))
         with checker.paused():
             return real(algo, backend, rows, segments, coefs, args)
-    return update
+    return apply
 
 
 def launch_norm(checker, real):
@@ -95,7 +95,7 @@ def launch_norm(checker, real):
 def capturable_on_the_host() -> list[tuple[object, str, object]]:
     """``(module, name, stand-in)``: torch.optim's capturable paths taking the modeled device's tensors.
     Those paths keep the step counts on the parameters' device and never read them on the host (what
-    the engine takes on CUDA, update/elementwise.py), and refuse any device but an accelerator: with
+    the engine takes on CUDA, algorithms/elementwise.py), and refuse any device but an accelerator: with
     "cpu" among the devices they accept, they run on the CPU tensors that stand for the GPU's."""
     out = []
     for info in pkgutil.iter_modules(torch.optim.__path__):

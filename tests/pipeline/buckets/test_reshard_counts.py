@@ -21,8 +21,8 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.algorithms.codecs import SIGNED, decode8
 from fused_zero.kernels import BLOCK
-from fused_zero.update.codecs import SIGNED, decode8
 
 
 class Round(nn.Module):

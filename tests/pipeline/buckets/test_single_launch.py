@@ -17,13 +17,13 @@ def _launches_per_step(case: Case, rank: int, world: int) -> dict:
     engine = opt._engine
     calls = []
     algo = engine.members[0].algo
-    update = algo.update
+    update = algo.apply
 
     def counted(*args, **kwargs):
         calls[-1] += 1
         return update(*args, **kwargs)
 
-    algo.update = counted
+    algo.apply = counted
     worst = 0.0
     buckets = []
     for step in range(1, case.steps + 1):

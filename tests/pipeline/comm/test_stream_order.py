@@ -50,6 +50,7 @@ from scenarios import VOCAB, OddNet, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.algorithms import codecs
 from fused_zero.checkpoint.serving import peers as serving
 from fused_zero.pipeline.comm import collectives
 from fused_zero.pipeline.comm import streams as streams_module
@@ -59,7 +60,6 @@ from fused_zero.pipeline.step_end.stepping import Stepping
 from fused_zero.pipeline.updating.updates import Updates
 from fused_zero.testing.streamcheck import StreamChecker
 from fused_zero.testing.streamcheck.backends import patched
-from fused_zero.update import codecs
 
 STEPS = 5
 DEVICE = torch.device("cpu")  # a torch.device: the checker's device memory ("cpu" the string: the host)
@@ -380,7 +380,7 @@ REVERTED = {
         "freed while in use"),
     "8-bit block index on the host": (
         [(codecs.BlockTable, "slots", _blocks_on_the_host)], {**BASE, "state_format": "8bit"},
-        ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/update/codecs.py",
+        ("host memory read on a device stream: compute stream ran aten.", "at fused_zero/algorithms/codecs.py",
          "_blocks_on_the_host")),
     "pinned buffer refilled while in use": (
         [(streams_module._PinnedRing, "take", _ring_reusing_a_busy_buffer)], {**BASE, "find_unused": True},

@@ -38,9 +38,9 @@ def _block_index_read_by_the_server_first() -> list:
     the index too; then the table goes."""
     import threading
 
+    from fused_zero.algorithms.codecs import BlockTable
     from fused_zero.kernels import row_table
     from fused_zero.testing.streamcheck.device import ModeledStreams
-    from fused_zero.update.codecs import BlockTable
 
     with StreamChecker() as checker:
         streams = ModeledStreams(checker, torch.device("cpu"))

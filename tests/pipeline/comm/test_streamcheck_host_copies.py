@@ -3,7 +3,7 @@ thread of its own, its own stream; modeled here the same way). A blocking copy f
 pageable memory is one CUDA makes (the server's reads, each waited for by its thread), so it is not
 reported; a non-blocking one into pageable memory is (CUDA makes it synchronous, or the buffer is read
 before the copy lands: streams.py's downloads go to pinned memory). The server's host work on host
-tables (update/codecs.py's 8-bit block numbers) is ordered with its stream, but is no device
+tables (algorithms/codecs.py's 8-bit block numbers) is ordered with its stream, but is no device
 operation: not reported either."""
 
 import threading

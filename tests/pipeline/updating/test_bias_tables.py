@@ -1,4 +1,4 @@
-"""Adam's bias-correction tables (update/step_columns.py) under betas that change every step: OneCycleLR's
+"""Adam's bias-correction tables (algorithms/step_columns.py) under betas that change every step: OneCycleLR's
 ``cycle_momentum`` moves beta1 each step, and the table is rewritten in place (one device tensor, so one
 pinned buffer for its uploads and one address for a CUDA graph), not made anew per set of betas. Run on
 the CPU model of the side stream (the stream-order checker's pinned memory), 400 steps of OneCycleLR:
@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 import fused_zero
+from fused_zero.algorithms.step_columns import UPLOAD_ROWS, BiasTables, saturation
 from fused_zero.pipeline.comm.streams import _PinnedRing
 from fused_zero.testing.streamcheck import StreamChecker
-from fused_zero.update.step_columns import UPLOAD_ROWS, BiasTables, saturation
 
 STEPS = 400
 

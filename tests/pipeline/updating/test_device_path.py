@@ -1,7 +1,7 @@
 """torch.optim's twins and Adafactor on their CUDA path, modeled on the CPU: the engine under the
 stream-order checker (fused_zero.testing.streamcheck) takes the path it takes where the device runs
 later than the host, on which the host reads no flag, count or norm of the device
-(update/elementwise.py, update/adafactor.py's ``device_step``, pipeline/updating/whole_params.py).
+(algorithms/elementwise.py, algorithms/adafactor.py's ``device_step``, pipeline/updating/whole_params.py).
 
 Each optimizer at 2 gloo ranks in every overlap mode x both reductions, with two param groups and an lr
 schedule, a branch only some ranks use on some steps (``find_unused_parameters``: parameters without a
@@ -12,7 +12,7 @@ torch.optim.<Name> on the same data, in the form whose step
 counts live on the device as ours do: ``capturable=True`` (Adagrad, which has no capturable path:
 ``fused=True``); Adafactor against its plain form. Every parameter of every rank after every step, and
 the state dict at the end: bit for bit (bf16: the parity harness's ulp bounds); Adafactor within the
-non-exact tolerance (its device scalars round twice where torch's round once, update/adafactor.py).
+non-exact tolerance (its device scalars round twice where torch's round once, algorithms/adafactor.py).
 
 And the checker: no hazard, and no host synchronization of fused_zero's on the step path of any
 iteration (before the device path: 14 per iteration for most of the twins, 76 for NAdam and ASGD, 26 to

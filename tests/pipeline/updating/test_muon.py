@@ -21,8 +21,8 @@ from test_parity import MODES, ONE, TINY, TWO, bf16, check
 from torch.utils.flop_counter import FlopCounterMode
 
 import fused_zero
+from fused_zero.algorithms.muon import ADJUST_LR_FNS
 from fused_zero.pipeline.updating.whole_matrix import owners
-from fused_zero.update.muon import ADJUST_LR_FNS
 
 
 def test_every_mode_and_bucket_size_two_ranks():

@@ -20,8 +20,8 @@ from memory import peak_bytes
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
+from fused_zero.algorithms.codecs import BlockTable, decode_table, encode8, encode_blocks, round_stochastic
 from fused_zero.kernels import row_table
-from fused_zero.update.codecs import BlockTable, decode_table, encode8, encode_blocks, round_stochastic
 
 MODES = list(itertools.product(("bucket", "backward", "step"), ("reduce_scatter", "all_reduce")))
 TWO = ([FormatCase(state_format=f, opt=o, overlap=m, grad_reduce=r) for f in ("bf16", "8bit") for o in ("AdamW", "SGD")
@@ -455,7 +455,7 @@ def _recipe(y: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def test_the_cpu_codec_is_the_kernels_recipe():
-    """The CPU path's 8-bit codec (update/codecs.py, written without ``where`` for speed) gives the
+    """The CPU path's 8-bit codec (algorithms/codecs.py, written without ``where`` for speed) gives the
     kernels' recipe's codes for every kind of fp32 bit pattern (a stride through all 2^32, NaN, inf,
     subnormals, both zeros), its decode table the definition's value of each code, and its blocks
     the masked ``where(s > 0, x / s, 0)`` of the kernels, blocks of zeros, NaN and inf included."""

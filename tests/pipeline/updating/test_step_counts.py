@@ -1,4 +1,4 @@
-"""The step columns written on the device (update/step_columns.py) against the host's formulas they
+"""The step columns written on the device (algorithms/step_columns.py) against the host's formulas they
 replace: Adam's with kernels.adam_coefficients at the same step counts (torch.optim's float64 bias
 corrections rounded to float32), SGD's first-step flag, and the stochastic-rounding key against
 kernels.sr_key, bit for bit, at counts around each table's growth and saturation and far past them."""
@@ -6,11 +6,11 @@ kernels.sr_key, bit for bit, at counts around each table's growth and saturation
 import numpy as np
 import torch
 
+from fused_zero.algorithms.adam import AdamFamily
+from fused_zero.algorithms.sgd import SGDAlgorithm
+from fused_zero.algorithms.step_columns import saturation
 from fused_zero.kernels import adam_coefficients, sgd_coefficients, sr_key
 from fused_zero.pipeline.comm.scratch import Scratch
-from fused_zero.update.adam import AdamFamily
-from fused_zero.update.sgd import SGDAlgorithm
-from fused_zero.update.step_columns import saturation
 
 
 class _Counts:

@@ -1,4 +1,4 @@
-"""fused_zero's twins of torch.optim's elementwise optimizers (every Spec of update/elementwise.py: its
+"""fused_zero's twins of torch.optim's elementwise optimizers (every Spec of algorithms/elementwise.py: its
 TWINS) and of Adafactor (whole parameters on every rank: pipeline/updating/whole_params.py) against
 DDP + torch.optim.<Name>, single-tensor, on the same data (scenarios.py): every parameter of every rank
 after every step, two param groups and an lr schedule, in every overlap x grad_reduce mode; at the end
@@ -28,8 +28,8 @@ from test_parity import MODES, ONE, TINY, TWO, bf16, check
 from test_sharding import check_state_per_rank
 
 import fused_zero
+from fused_zero.algorithms.elementwise import SPECS
 from fused_zero.optimizer import TWINS
-from fused_zero.update.elementwise import SPECS
 
 MOMENTS = [name for name in TWINS if SPECS[name].moments]  # those a bf16 state_format applies to
 ALL = (*TWINS, "Adafactor")

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import sgd_coefficients, sgd_step
 from . import step_columns, torch_ops
-from .algorithms import FusedKernel, UpdateArgs, check_scalar, count_without_step, per_param
+from .fused import FusedKernel, UpdateArgs, check_scalar, count_without_step, per_param
 from .interface import Declaration
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import sgd_coefficients
 from . import step_columns
-from .algorithms import check_scalar, count_without_step, per_param
+from .fused import check_scalar, count_without_step, per_param
 from .interface import Algorithm, Declaration, Runs
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw") + (

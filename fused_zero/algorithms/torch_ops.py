@@ -157,7 +157,7 @@ def adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     saved is one or two fresh temporaries of the row's size per step, which glibc's malloc hands back
     to the system at these sizes (mmap, or a trim of the heap's top) and faults in anew at the next
     step: 4.2M elements on one core, about 10 ms here against 13-23 ms for torch's AdamW step.
-    ``moments`` reads and writes the moments in their storage format (update/codecs.py)."""
+    ``moments`` reads and writes the moments in their storage format (algorithms/codecs.py)."""
     g, owned = _grad(args, go, n, c[_ADAM["grad_div"]], maximize)
     m = moments.get("exp_avg")
     v = moments.get("exp_avg_sq")

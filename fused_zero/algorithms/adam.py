@@ -9,7 +9,7 @@ import torch
 
 from ..kernels import ADAM_COEFS, adam_coefficients, adam_step
 from . import step_columns, torch_ops
-from .algorithms import FusedKernel, UpdateArgs, check_scalar, per_param
+from .fused import FusedKernel, UpdateArgs, check_scalar, per_param
 from .interface import Declaration
 
 

@@ -113,7 +113,7 @@ class AdafactorAlgorithm(ElementwiseAlgorithm):
             raise ValueError(f"{where}: stochastic_rounding is not supported for Adafactor; keep fp32 master "
                              "weights (master_weights=True) for low-precision parameters instead")
 
-    update = Algorithm.update  # whole parameters, in its own phase: a launch is refused (interface.py)
+    apply = Algorithm.apply  # whole parameters, in its own phase: a launch is refused (interface.py)
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], pids: list[int], steps: list[float],
              group: dict) -> None:

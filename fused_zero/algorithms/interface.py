@@ -24,7 +24,7 @@ class Runs(enum.Enum):
     """How an algorithm's update runs over the buckets (each value names the driver)."""
 
     SLICES = "slices"
-    """Elementwise, on this rank's slices of the buckets, one ``update`` per launch (launches.py)."""
+    """Elementwise, on this rank's slices of the buckets, one ``apply`` per launch (launches.py)."""
     WHOLE_MATRIX = "whole_matrix"
     """In phases with collectives between: the elementwise halves on the slices, a matrix-wide step on the
     matrix's owner rank (Muon: pipeline/updating/whole_matrix.py)."""
@@ -192,8 +192,8 @@ class Algorithm(ABC):
         torch's own ops)."""
         return None
 
-    def update(self, backend: str, rows: list, segments, coefs: torch.Tensor, args) -> None:
-        """One launch: update ``rows`` of the regions from ``args`` (algorithms.UpdateArgs) with ``coefs``
+    def apply(self, backend: str, rows: list, segments, coefs: torch.Tensor, args) -> None:
+        """One launch: update ``rows`` of the regions from ``args`` (fused.UpdateArgs) with ``coefs``
         (``Runs.SLICES`` only; a phased update runs in its driver)."""
         raise RuntimeError(f"{self.title} updates in phases of its own ({self.runs.value}: its driver in "
                            "pipeline/updating/), not in one launch")

@@ -44,9 +44,9 @@ class FusedKernel(Algorithm):
 
     def compile(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
         """Launch each kernel once on a row with nothing active, so that Triton compiles now."""
-        self.update(backend, rows, segments, coefs, args)
+        self.apply(backend, rows, segments, coefs, args)
 
-    def update(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
+    def apply(self, backend: str, rows: list, segments, coefs: torch.Tensor, args: UpdateArgs) -> None:
         if backend == "triton":
             self._launch(segments, coefs, args)
         else:

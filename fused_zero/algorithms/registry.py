@@ -15,7 +15,7 @@ DECLARATIONS: tuple[Declaration, ...] = (adam.ADAMW, adam.ADAM, sgd.SGD, muon.MU
 BY_NAME: dict[str, Declaration] = {d.name: d for d in DECLARATIONS}
 
 TWINS: tuple[str, ...] = tuple(d.name for d in elementwise.DECLARATIONS)
-"""The twins of torch.optim's elementwise optimizers (update/elementwise.py's ``SPECS``)."""
+"""The twins of torch.optim's elementwise optimizers (algorithms/elementwise.py's ``SPECS``)."""
 
 KINDS: dict[str, type[Algorithm]] = {d.algorithm.kind: d.algorithm for d in DECLARATIONS}
 """Each kind of state (``Algorithm.kind``, as a sharded checkpoint records it) and its algorithm."""

@@ -1,8 +1,8 @@
-"""How an elementwise twin's step runs (update/elementwise.py): one call of torch's update function per
+"""How an elementwise twin's step runs (algorithms/elementwise.py): one call of torch's update function per
 param group over a launch's pieces, on the host's way (the CPU: the host reads the table and the skip
 flag, torch.optim's non-capturable path, call for call) or on the device's (CUDA: the host reads nothing;
 working copies, the counts as device tensors through torch's capturable or fused path, the results
-written by ``torch.where`` where the flags allow). update/elementwise.py's docstring says why each."""
+written by ``torch.where`` where the flags allow). algorithms/elementwise.py's docstring says why each."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ COLUMNS = ("active", "grad_div", "step")
 all three (``step``: the count once this step counts, written on the device by ``fill_steps``)."""
 
 
-def update_on_host(algo, rows, coefs, args) -> None:
+def apply_on_host(algo, rows, coefs, args) -> None:
     """The host's way: the active pieces, one call per param group, torch.optim's non-capturable path."""
     if _skipped(args):
         return
@@ -52,7 +52,7 @@ def update_on_host(algo, rows, coefs, args) -> None:
                 args.param[po:po + p.numel()].copy_(p)
 
 
-def update_on_device(algo, rows, coefs, args) -> None:
+def apply_on_device(algo, rows, coefs, args) -> None:
     """The device's way, where the host must not read the device: every piece runs, on working copies (the
     state made fresh where this is the parameter's first step), with its step count a device tensor;
     what is written back is the result where the parameter got a gradient and the step is not
@@ -229,5 +229,5 @@ def _runs(rows):
     return runs
 
 
-__all__ = ["COLUMNS", "counts_before", "finish_on_device", "finish_on_host", "update_on_device", "update_on_host",
+__all__ = ["COLUMNS", "counts_before", "finish_on_device", "finish_on_host", "apply_on_device", "apply_on_host",
            "written"]

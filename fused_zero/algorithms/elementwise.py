@@ -258,10 +258,10 @@ class ElementwiseAlgorithm(Algorithm):
 
     # -- the update (elementwise_calls.py) -------------------------------------------------------------
 
-    def update(self, backend, rows, segments, coefs, args) -> None:
+    def apply(self, backend, rows, segments, coefs, args) -> None:
         """This launch's pieces: one call of torch's function per param group, over every active
         parameter with a piece here (module docstring: the host's way and the device's)."""
-        (calls.update_on_device if args.asynchronous else calls.update_on_host)(self, rows, coefs, args)
+        (calls.apply_on_device if args.asynchronous else calls.apply_on_host)(self, rows, coefs, args)
 
     def finish(self, pids, table: torch.Tensor, args) -> None:
         """Advance the kept scalars of ``pids`` (the member's parameters of the buckets just updated,

@@ -157,7 +157,7 @@ def _column(out: np.ndarray, key: tuple, which: int) -> None:
             b = torch.tensor(beta, dtype=dtype)
             out[:n, 1] = torch.stack([(1 - b ** s) ** 0.5 for s in t.tolist()]).double().numpy()
         return
-    if len(key) == 4:  # folds_lr: the step size itself, as a multiplier of -1 (algorithms.step_lr)
+    if len(key) == 4:  # folds_lr: the step size itself, as a multiplier of -1 (adam.step_lr)
         beta, lr_dtype, dtype, lr = key
         lr = lr if lr_dtype is None else torch.tensor(lr, dtype=lr_dtype)
         b = beta if dtype is None else torch.tensor(beta, dtype=dtype)
@@ -181,7 +181,7 @@ def _column(out: np.ndarray, key: tuple, which: int) -> None:
 def fill_adam(table: torch.Tensor, after: torch.Tensor, neg_lr: torch.Tensor, both: torch.Tensor, base: torch.Tensor,
               length: int, scratch) -> None:
     """Columns ``bc2_sqrt`` and ``neg_step_size`` of an Adam table (``neg_lr``: ``-lr`` per parameter,
-    float64 (algorithms.step_lr); ``both``, ``base``, ``length``: a BiasTables'): ``-lr * multiplier /
+    float64 (adam.step_lr); ``both``, ``base``, ``length``: a BiasTables'): ``-lr * multiplier /
     divisor``, the one IEEE operation torch's step size is (``-lr / bc1`` is ``-(lr / bc1)``; the
     multiplication by 1 and the division by 1 are exact, and a float32 product is exact in float64);
     the copies into the float32 columns round to nearest, as numpy's ``astype`` did, and as torch's
