@@ -576,10 +576,10 @@ def test_the_engine_attribute_count_sees_a_wide_reader():
 
 # ---------------------------------------------------------------------- inside pipeline/: narrow faces
 
-PIPELINE_FACES = ("Engine", "Parameters", "ShardingOptions", "HookTargets", "MemberView", "StateLayout",
+PIPELINE_FACES = ("Engine", "ParamTable", "ShardingOptions", "HookTargets", "MemberView", "StateLayout",
                   "ParamTable", "Ranks")
 """The engine and the faces a stage is built with in its place, by type name: the parameter table
-(pipeline/buckets/params.py), the options, the hooks' targets (pipeline/reducing/hooks.py), and a
+(pipeline/buckets/param_table.py), the options, the hooks' targets (pipeline/reducing/hooks.py), and a
 member's view and its parts (pipeline/members.py)."""
 
 
@@ -588,7 +588,7 @@ ENGINE_NAMES_INSIDE = ("engine", "_engine", "e")
 
 
 def _is_face(annotation) -> bool:
-    """Whether an annotation names the engine or a face (``Parameters``, ``"Parameters | None"``)."""
+    """Whether an annotation names the engine or a face (``ParamTable``, ``"ParamTable | None"``)."""
     if annotation is None:
         return False
     text = annotation.value if isinstance(annotation, ast.Constant) else ast.unparse(annotation)
@@ -683,8 +683,8 @@ def test_inside_the_pipeline_a_module_reads_few_attributes_of_the_engine_or_a_fa
 
 def test_the_face_count_sees_a_wide_reader():
     wide = ("class Stage:\n"
-            "    table: Parameters\n"
-            "    def __init__(self, parameters: Parameters, engine, other):\n"
+            "    table: ParamTable\n"
+            "    def __init__(self, parameters: ParamTable, engine, other):\n"
             "        self.held, self.engine, self.plain = parameters, engine, other\n"
             "    def f(self, options: 'ShardingOptions | None'):\n"
             "        f = self.held\n"

@@ -27,12 +27,12 @@ from .reducing.weight_watch import refresh_masters
 
 if TYPE_CHECKING:
     from ..options import ShardingOptions
-    from .buckets.params import Parameters
+    from .buckets.param_table import ParamTable
 
 
-def check_joining(parameters: Parameters, it, options: ShardingOptions, member, params: list) -> list[int]:
+def check_joining(parameters: ParamTable, it, options: ShardingOptions, member, params: list) -> list[int]:
     """The engine's indices of ``params``, a new param group of ``member``'s optimizer, once checked:
-    parameters DDP reduces (``parameters``, the engine's table: buckets/params.py), no fused_zero
+    parameters DDP reduces (``parameters``, the engine's table: buckets/param_table.py), no fused_zero
     optimizer's, between steps (``it``: the iteration, step_end/iteration.py), valid for ``options``.
     Changes nothing."""
     if it.invoked or it.stepped:
@@ -57,7 +57,7 @@ def check_joining(parameters: Parameters, it, options: ShardingOptions, member, 
     return pids
 
 
-def join(parameters: Parameters, member, pids: list[int], default_format: str, *, ddp, registry, weights,
+def join(parameters: ParamTable, member, pids: list[int], default_format: str, *, ddp, registry, weights,
          updates) -> None:
     """``pids`` join ``member`` with its optimizer's last param group (the module docstring); its
     algorithm has already taken the new group (``refresh``). Once every all-gather is waited for; the

@@ -8,7 +8,7 @@ all-gather of the updated slices into the flat parameter buffer. ``step()`` ends
 all-gathers are waited for there or by the forward pre-hooks.
 
 The engine builds the stages and wires them; each is built with what it uses, never with the engine:
-the parameter table (buckets/params.py), the options, and the objects it calls (the side stream, the
+the parameter table (buckets/param_table.py), the options, and the objects it calls (the side stream, the
 registry, the stage before it). The reduction (reduction.py), the update (updates.py), the all-gather
 (gathering/gather.py), what ``step()`` does with a user's edits of ``.grad`` and a GradScaler
 (step_policy.py), and the members' ``step()`` with the iteration's start and end (stepping.py) live in
@@ -29,7 +29,7 @@ from ..params import NO_MEMBER, collect_params
 from . import added_groups
 from .buckets import rebuild
 from .buckets.arena import SingleLaunch
-from .buckets.params import Parameters
+from .buckets.param_table import ParamTable
 from .buckets.registry import ShardRegistry
 from .buckets.shard import BucketShard
 from .buckets.topology import Topology
@@ -62,7 +62,7 @@ class Engine:
             their member and param group there, their index, their state format. A parameter no
             fused_zero optimizer updates has member ``NO_MEMBER`` (fused_zero/params.py): reduced as DDP
             reduces it, its ``.grad`` DDP's average, and left to its owner (a torch.optim optimizer, or
-            none); ``parameters`` holds them, the one table the stages read (buckets/params.py).
+            none); ``parameters`` holds them, the one table the stages read (buckets/param_table.py).
         steps / step_counts: each parameter's step count (replicated on every rank), kept and counted
             on the device; ``steps`` reads it to the host, a wait only checkpoints make (step_counts.py).
         registry: which BucketShard holds each parameter's state (ShardRegistry).
@@ -103,7 +103,7 @@ class Engine:
         self.scaler = self.members[0].scaler
         self.state_formats = [self.members[m].group_formats[g] if m != NO_MEMBER else "fp32"
                               for m, g in zip(self.member_of, self.group_of)]
-        self.parameters = Parameters(self.params, self.pid_of, self.member_of, self.group_of, self.state_formats,
+        self.parameters = ParamTable(self.params, self.pid_of, self.member_of, self.group_of, self.state_formats,
                                      self.members)
         self.device = self.params[0].device
         self.backend = self.options.resolved_backend(self.device)

@@ -31,7 +31,7 @@ from torch import nn
 from .buckets.strides import strided_view
 
 if TYPE_CHECKING:
-    from .buckets.params import Parameters
+    from .buckets.param_table import ParamTable
 
 OVERRIDES = {"overlap": "step", "grad_reduce": "all_reduce"}
 """The modes a local module runs in: the update reads ``param.grad`` at ``step()``; at world size 1
@@ -89,12 +89,12 @@ class LocalModule:
     def register_comm_hook(self, state, hook) -> None:
         self.comm_hook_state = state
 
-    def drive(self, parameters: Parameters, used_local, hand, member) -> bool:
+    def drive(self, parameters: ParamTable, used_local, hand, member) -> bool:
         """Hand the comm hook (``hand``: the engine's ``on_bucket``) this step's gradients of ``member``'s
         parameters (pipeline/members.py), one bucket per dtype in registration order (the engine's
         initial layout, so no state moves), each parameter's "got a gradient" flag into ``used_local``
         (the reduction's); the other members' parameters are handed as having none, and step at their
-        own ``step()``. ``parameters``: the engine's parameter table (buckets/params.py). False when none
+        own ``step()``. ``parameters``: the engine's parameter table (buckets/param_table.py). False when none
         of the member's parameters has a ``.grad``: then torch.optim's step does nothing, and so does
         this one."""
         mine = {int(pid) for pid in member.pids}

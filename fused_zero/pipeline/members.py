@@ -28,7 +28,7 @@ from ..algorithms.interface import Algorithm
 from .step_end.amp import ScalerLink
 
 if TYPE_CHECKING:
-    from .buckets.params import Parameters
+    from .buckets.param_table import ParamTable
 
 
 @dataclass
@@ -145,10 +145,10 @@ class MemberView:
     docstring): ``opt`` and ``algo``; ``table`` (ParamTable), ``ranks`` (Ranks), ``layout``
     (StateLayout); the step counts (``counts()``, ``steps``); ``synchronize()``; and, for the
     checkpoint server's thread, ``side`` and ``iteration``. Built by the engine (``Engine.view``):
-    ``parameters`` its parameter table (buckets/params.py), ``step_counts`` every parameter's
+    ``parameters`` its parameter table (buckets/param_table.py), ``step_counts`` every parameter's
     (updating/step_counts.py), ``stepping`` the owner of the iteration (step_end/stepping.py)."""
 
-    def __init__(self, member: Member, parameters: Parameters, ranks: Ranks, layout: StateLayout, *,
+    def __init__(self, member: Member, parameters: ParamTable, ranks: Ranks, layout: StateLayout, *,
                  step_counts, side, stepping):
         self.opt, self.algo = member.opt, member.algo
         self._pids = member.pids

@@ -7,7 +7,7 @@ same memory order, the parameter becomes a view of it with its own strides, and 
 follows: one element order (memory order) for the bucket, the parameter buffer and the state. What
 leaves the optimizer in torch.optim's form (checkpoints) is put back in the parameter's shape and
 strides, as torch.optim's ``zeros_like(p, memory_format=torch.preserve_format)`` state has them.
-Parameters that do not fill their storage densely are refused at construction (params.py).
+Parameters that do not fill their storage densely are refused at construction (fused_zero/params.py).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Reduction:
     """
 
     def __init__(self, ddp, params: list, topology, options: ShardingOptions, side):
-        """``params``: the parameters DDP reduces, by index (buckets/params.py); ``side``: the side stream
+        """``params``: the parameters DDP reduces, by index (buckets/param_table.py); ``side``: the side stream
         (comm/streams.py), whose device the flags go to."""
         topo = self.topology = topology
         self.side, self.device = side, side.device

@@ -28,7 +28,7 @@ from .refusals import Refusals, partial_write_message
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 class StepPolicy:
@@ -37,9 +37,9 @@ class StepPolicy:
         refusals: what ``step()`` refuses, agreed on by every rank (refusals.py).
     """
 
-    def __init__(self, parameters: Parameters, options: ShardingOptions, *, local: bool, registry, topology,
+    def __init__(self, parameters: ParamTable, options: ShardingOptions, *, local: bool, registry, topology,
                  side):
-        """``parameters``: the engine's parameter table (buckets/params.py); ``local``: one process without
+        """``parameters``: the engine's parameter table (buckets/param_table.py); ``local``: one process without
         DDP (pipeline/local.py); ``registry``: where each parameter's bucket is (buckets/registry.py);
         ``topology``, ``side``: the process groups and the side stream the refusals are agreed on with."""
         self.params, self.members = parameters.tensors, parameters.members

@@ -25,7 +25,7 @@ from .iteration import Iteration
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 class Stepping:
@@ -35,7 +35,7 @@ class Stepping:
         iteration: this iteration's progress (Iteration), replaced when it ends.
     """
 
-    def __init__(self, parameters: Parameters, options: ShardingOptions, *, side, scratch, skipped: torch.Tensor,
+    def __init__(self, parameters: ParamTable, options: ShardingOptions, *, side, scratch, skipped: torch.Tensor,
                  registry, weights, single, reduction, updates, policy, encode_if_final: Callable,
                  drive: Callable | None):
         """``side``, ``scratch``: the side stream and the tensors the device work writes (comm/);

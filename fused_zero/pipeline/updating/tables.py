@@ -15,7 +15,7 @@ from ..reducing.reduction import UsedFlags
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 class CoefficientTables:
@@ -23,9 +23,9 @@ class CoefficientTables:
         pending: ``(member, table, step inputs)`` of the tables made since the last ``fill_steps``.
     """
 
-    def __init__(self, parameters: Parameters, options: ShardingOptions, *, grad_div: np.ndarray, side, scratch,
+    def __init__(self, parameters: ParamTable, options: ShardingOptions, *, grad_div: np.ndarray, side, scratch,
                  step_counts):
-        """``parameters``: the engine's parameter table (buckets/params.py); ``grad_div``: what each reduced
+        """``parameters``: the engine's parameter table (buckets/param_table.py); ``grad_div``: what each reduced
         gradient is divided by (reducing/reduction.py); ``side``, ``scratch``: the side stream the tables
         are uploaded from and the tensors they are kept in (comm/); ``step_counts``: the counts their step
         columns are made from (step_counts.py)."""

@@ -28,7 +28,7 @@ from .whole_params import WholeParams
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 class Updates:
@@ -40,9 +40,9 @@ class Updates:
             pre-clip norm squared, which the integrations' clip_grad_norm_ returns), or None.
     """
 
-    def __init__(self, parameters: Parameters, options: ShardingOptions, *, topology, reduction, side, scratch,
+    def __init__(self, parameters: ParamTable, options: ShardingOptions, *, topology, reduction, side, scratch,
                  step_counts, graph, single, backend: str):
-        """``parameters``: the engine's parameter table (buckets/params.py); ``topology``: the process
+        """``parameters``: the engine's parameter table (buckets/param_table.py); ``topology``: the process
         groups (buckets/topology.py); ``reduction``: the stage before, whose divisors the update applies
         (reducing/reduction.py); ``side``, ``scratch``: where the device work runs and the tensors it
         writes (comm/); ``step_counts``: the counts it adds to (step_counts.py); ``graph``: the CUDA

@@ -15,14 +15,14 @@ from ...kernels import Segments
 
 if TYPE_CHECKING:
     from ...options import ShardingOptions
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
-def compile_kernels(parameters: Parameters, options: ShardingOptions, side) -> None:
+def compile_kernels(parameters: ParamTable, options: ShardingOptions, side) -> None:
     """Launch each kernel variant once on a one-element dummy with every parameter inactive, so that
     Triton compiles now and not inside the first backward (tens of ms per variant). On the side
     stream (``side``, comm/streams.py), under the parameters' device guard, like every launch. Per
-    dtype and state format of the engine's parameters (``parameters``, buckets/params.py), before any
+    dtype and state format of the engine's parameters (``parameters``, buckets/param_table.py), before any
     shard exists: construction compiles before it changes anything."""
     with side.run(follow_current=True):
         for m, dtype, fmt in sorted({(int(m), p.dtype, f) for p, m, f in

@@ -40,7 +40,7 @@ from ..comm import collectives
 from ..comm.profiling import range_push
 
 if TYPE_CHECKING:
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
@@ -61,8 +61,8 @@ def owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
 class WholeMatrix:
     """One phased member's step over the buckets the pipeline hands it."""
 
-    def __init__(self, parameters: Parameters, reduction, member, group):
-        """``parameters``: the engine's parameter table (buckets/params.py); ``reduction``: the stage that
+    def __init__(self, parameters: ParamTable, reduction, member, group):
+        """``parameters``: the engine's parameter table (buckets/param_table.py); ``reduction``: the stage that
         reduced the gradients in the shard group (reducing/reduction.py: its topology, divisors and
         device); ``group``: the process group of the phases' collectives (updates.py)."""
         self.member, self.group = member, group

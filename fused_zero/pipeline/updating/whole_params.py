@@ -33,14 +33,14 @@ from ..comm import collectives
 from ..comm.profiling import range_push
 
 if TYPE_CHECKING:
-    from ..buckets.params import Parameters
+    from ..buckets.param_table import ParamTable
 
 
 class WholeParams:
     """One member's whole-parameter step over the buckets the pipeline hands it (updates.py)."""
 
-    def __init__(self, parameters: Parameters, reduction, member, group):
-        """``parameters``: the engine's parameter table (buckets/params.py); ``reduction``: the stage that
+    def __init__(self, parameters: ParamTable, reduction, member, group):
+        """``parameters``: the engine's parameter table (buckets/param_table.py); ``reduction``: the stage that
         reduced the gradients (reducing/reduction.py: its divisors, and whether one all-reduce left each
         bucket whole); ``group``: the process group of the all-gathers (updates.py)."""
         self.member, self.group = member, group

@@ -14,7 +14,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Parameters:
+class ParamTable:
     """Attributes:
         tensors: the parameters, by their index in the engine (``pid``).
         pid_of: parameter -> its index.
