@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from .buckets.param_table import ParamTable
 
 
-def check_joining(parameters: ParamTable, it, options: ShardingOptions, member, params: list) -> list[int]:
+def check_joining(parameters: ParamTable, iteration, options: ShardingOptions, member, params: list) -> list[int]:
     """The engine's indices of ``params``, a new param group of ``member``'s optimizer, once checked:
     parameters DDP reduces (``parameters``, the engine's table: buckets/param_table.py), no fused_zero
-    optimizer's, between steps (``it``: the iteration, step_end/iteration.py), valid for ``options``.
+    optimizer's, between steps (``iteration``: step_end/iteration.py), valid for ``options``.
     Changes nothing."""
-    if it.invoked or it.stepped:
+    if iteration.invoked or iteration.stepped:
         raise RuntimeError(
             f"{member.name}: add_param_group() between a backward and the step of every fused_zero optimizer "
             "over the module: the state cannot move while the iteration's updates read it. Call it after "

@@ -265,9 +265,9 @@ class Engine:
             self.policy.refusals.check(wait=False)  # one another rank made known, before any collective
         if stepping.iteration.last_invoked:  # a synced backward before every member stepped after the last one
             stepping.backward_before_steps()  # accumulated (step + all_reduce) or refused (stepping.py)
-        it = stepping.iteration
-        if it.hparams is None:
-            stepping.start_iteration(it)  # joins the side stream: the previous iteration's copies may go
+        iteration = stepping.iteration
+        if iteration.hparams is None:
+            stepping.start_iteration(iteration)  # joins the side stream: the previous iteration's copies may go
         if shard is None:
             shard = self.registry.shard_for(index, pids, offsets, buffer)
         if shard.held and not self._rebuild_pending():  # DDP's buckets are final: encode once, before the update
@@ -275,22 +275,22 @@ class Engine:
         with range_push("fused_zero.reduce"):
             reduced = self.reduction.start(shard, buffer)
         shard.reduced_buffer = reduced.grad  # a staging copy lives with ``reduced`` until the iteration's end
-        it.ready.append(reduced)
-        it.invoked += 1
-        it.last_invoked = bucket.is_last()
-        if it.last_invoked:
+        iteration.ready.append(reduced)
+        iteration.invoked += 1
+        iteration.last_invoked = bucket.is_last()
+        if iteration.last_invoked:
             if not self.local:  # handed from step(): the gradients are read as they are then
                 self.policy.watch.arm()
             if self.scaler is not None and self.scaler.enabled:
                 if self.overlap == "backward":
-                    it.grad_scale = self.scaler.scale()
+                    iteration.grad_scale = self.scaler.scale()
                 for m in self.members:
                     m.scaler.prepare(self.device)
         if self.overlap == "bucket":
-            keep = 0 if (it.last_invoked or self.side.asynchronous) else 1
-            self.updates.finish(it, len(it.ready) - keep, each_bucket=True)
-        elif self.overlap == "backward" and it.last_invoked:
-            self.updates.finish(it, len(it.ready), self.max_grad_norm)
+            keep = 0 if (iteration.last_invoked or self.side.asynchronous) else 1
+            self.updates.finish(iteration, len(iteration.ready) - keep, each_bucket=True)
+        elif self.overlap == "backward" and iteration.last_invoked:
+            self.updates.finish(iteration, len(iteration.ready), self.max_grad_norm)
         return self.reduction.future(reduced)
 
     def synchronize(self) -> None:

@@ -1,6 +1,6 @@
 """One iteration's progress: what a synced backward and the members' ``step()`` have done so far. The
 comm hook (engine.py) fills it bucket by bucket; ``Stepping`` (stepping.py) starts it, ends it and
-replaces it; the stages read it as the argument they are called with (``it``)."""
+replaces it; the stages read it as the argument they are called with (``iteration``)."""
 
 from __future__ import annotations
 

@@ -132,10 +132,10 @@ class StepPolicy:
             "(scheduler.step() right after optimizer.step(), as torch's schedulers expect; a warm-up before "
             "the forward), or use overlap='step', which reads param_groups in step()")
 
-    def edits(self, member, via_scaler: bool, grad_scale: torch.Tensor | None, it) -> tuple[list[int], bool]:
+    def edits(self, member, via_scaler: bool, grad_scale: torch.Tensor | None, iteration) -> tuple[list[int], bool]:
         """The member's parameters whose ``.grad`` the user changed since the backward, and whether the
         update honors the change. Honored edits are written back into the reduced buckets of iteration
-        ``it``; the list returned is then empty."""
+        ``iteration``; the list returned is then empty."""
         edited = [int(i) for i in self.watch.edited(member.pids)]
         if via_scaler and grad_scale is None and self.overlap == "step" and self.scaled:
             # the user's scaler.unscale_(opt) divided param.grad in place, with a fused op that leaves
@@ -143,16 +143,16 @@ class StepPolicy:
             edited = sorted(set(edited) | {int(i) for i in member.pids if self.params[i].grad is not None})
         honored = bool(edited) and self.overlap == "step" and self.grad_reduce == "all_reduce"
         if honored:
-            self._write_back(edited, it)  # this mode reads param.grad's values: the edit is honored
+            self._write_back(edited, iteration)  # this mode reads param.grad's values: the edit is honored
             edited = []
         return edited, honored
 
-    def _write_back(self, pids: list[int], it) -> None:
+    def _write_back(self, pids: list[int], iteration) -> None:
         """Make the reduced buckets hold the user's edited ``param.grad`` (with gradient_as_bucket_view
         the edit is there already, unless ``.grad`` was replaced by another tensor)."""
-        for item in it.reduced():  # reduced in grad_reduce_dtype: DDP's buffer holds the copied-back
+        for item in iteration.reduced():  # reduced in grad_reduce_dtype: DDP's buffer holds the copied-back
             item.shard.reduced_buffer = item.bucket  # average, the fp32 values param.grad views
-        buffers = {id(item.shard): item.bucket for item in it.reduced()}
+        buffers = {id(item.shard): item.bucket for item in iteration.reduced()}
         for pid in pids:
             shard, local = self.registry.where[pid]
             g = self.params[pid].grad

@@ -67,38 +67,38 @@ class Stepping:
         if self.drive is not None:
             self._local_step(member, max_norm, via_scaler, grad_scale)
             return
-        it = self.iteration
-        if it.invoked == 0:
+        iteration = self.iteration
+        if iteration.invoked == 0:
             raise RuntimeError("optimizer.step() found no reduced gradients since the last step: run a "
                                "backward outside ddp.no_sync() (with require_backward_grad_sync=True) "
                                "before stepping")
-        if not it.last_invoked:
+        if not iteration.last_invoked:
             raise RuntimeError("optimizer.step() called while DDP is still reducing gradients")
-        self.policy.check_stepped_once(member, it.stepped)
+        self.policy.check_stepped_once(member, iteration.stepped)
         self.policy.check_scaler_use(member, via_scaler)
-        it.stepped.add(member.index)
-        edited, honored = self.policy.edits(member, via_scaler, grad_scale, it)
-        changed, late = [], self.written_weights(it)
+        iteration.stepped.add(member.index)
+        edited, honored = self.policy.edits(member, via_scaler, grad_scale, iteration)
+        changed, late = [], self.written_weights(iteration)
         if self.overlap == "step":  # the update runs now: the hyperparameters and the weights as they are now
-            self._step_member(it, member, max_norm, grad_scale, bool(edited), honored)
+            self._step_member(iteration, member, max_norm, grad_scale, bool(edited), honored)
             late = []
         else:  # the update ran in the backward, with the hyperparameters and weights of the first bucket
-            changed = self.policy.hparams_changed(member, it.hparams_key[member.index])
-        self._count_skip(it, member)
-        if len(it.stepped) == len(self.members):
-            self._end_iteration(it)
+            changed = self.policy.hparams_changed(member, iteration.hparams_key[member.index])
+        self._count_skip(iteration, member)
+        if len(iteration.stepped) == len(self.members):
+            self._end_iteration(iteration)
         else:
             self._join()
-        self.policy.refuse(member, bool(edited), changed, it.found_inf[member.index:member.index + 1], late,
-                           it.wrote)
+        self.policy.refuse(member, bool(edited), changed, iteration.found_inf[member.index:member.index + 1], late,
+                           iteration.wrote)
 
-    def _step_member(self, it, member, max_norm, grad_scale, edited: bool, honored: bool) -> None:
+    def _step_member(self, iteration, member, max_norm, grad_scale, edited: bool, honored: bool) -> None:
         """overlap="step": the member's update, now."""
-        it.hparams[member.index] = member.hparams()
-        it.coefs.pop(member.index, None)  # its table is made from its param groups as they are now
+        iteration.hparams[member.index] = member.hparams()
+        iteration.coefs.pop(member.index, None)  # its table is made from its param groups as they are now
         scale = grad_scale.reshape(1) if grad_scale is not None and member.scaler is not None \
             and member.scaler.enabled else None
-        self.updates.step_member(it, member, max_norm, scale, edited, follow=honored or scale is not None)
+        self.updates.step_member(iteration, member, max_norm, scale, edited, follow=honored or scale is not None)
 
     def _local_step(self, member, max_norm, via_scaler: bool, grad_scale) -> None:
         """One process without DDP: the member's gradients are handed to the comm hook as they are now
@@ -107,13 +107,13 @@ class Stepping:
         self.policy.check_scaler_use(member, via_scaler)
         if not self.drive(member):
             return
-        it = self.iteration
-        it.stepped.add(member.index)
-        self.written_weights(it)
-        self._step_member(it, member, max_norm, grad_scale, False, True)
-        self._count_skip(it, member)
-        self._end_iteration(it)
-        self.policy.refuse(member, False, [], it.found_inf[member.index:member.index + 1], [], it.wrote)
+        iteration = self.iteration
+        iteration.stepped.add(member.index)
+        self.written_weights(iteration)
+        self._step_member(iteration, member, max_norm, grad_scale, False, True)
+        self._count_skip(iteration, member)
+        self._end_iteration(iteration)
+        self.policy.refuse(member, False, [], iteration.found_inf[member.index:member.index + 1], [], iteration.wrote)
 
     def state_init_step(self, member, max_norm: float | None) -> None:
         """torch.distributed.checkpoint's state initialization of ``member`` (checkpoint/canonical.py's
@@ -122,28 +122,28 @@ class Stepping:
         Adam's coupled weight decay, SGD's momentum with weight decay) and leaves the parameters as they
         are. Run here as that very step: the member's update of every bucket from zero gradients, every
         parameter active, as overlap="step" runs it (every rank runs it: DCP's helpers are collective)."""
-        it = self.iteration
-        self.start_iteration(it)
+        iteration = self.iteration
+        self.start_iteration(iteration)
         for shard in self.registry.shards():
             if member.index in shard.member_set:
                 zeros = torch.zeros(shard.layout.numel, dtype=shard.param_buffer.dtype, device=self.side.device)
                 shard.reduced_buffer = zeros
-                it.ready.append(Reduced(shard, shard.all_active, [], zeros, zeros))
-        it.invoked, it.last_invoked = len(it.ready), True
-        it.stepped.add(member.index)
-        self._step_member(it, member, max_norm, None, False, True)
-        self._count_skip(it, member)
-        self._end_iteration(it)
+                iteration.ready.append(Reduced(shard, shard.all_active, [], zeros, zeros))
+        iteration.invoked, iteration.last_invoked = len(iteration.ready), True
+        iteration.stepped.add(member.index)
+        self._step_member(iteration, member, max_norm, None, False, True)
+        self._count_skip(iteration, member)
+        self._end_iteration(iteration)
 
-    def start_iteration(self, it: Iteration) -> None:
+    def start_iteration(self, iteration: Iteration) -> None:
         """The first bucket of a synced backward, before any of its collectives (the comm hook, engine.py)."""
         self.side.join()  # the compute stream after the last iteration's updates (resharding reads them)
-        it.hparams = [m.hparams() for m in self.members]
-        it.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
+        iteration.hparams = [m.hparams() for m in self.members]
+        iteration.hparams_key = [self.policy.hparams_key(m.opt.param_groups) for m in self.members]
         # written here, read and maxed into by the side stream's checks: the side stream waits for it
-        it.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
+        iteration.found_inf = self.scratch.take("found_inf", (len(self.members),), torch.float32).zero_()
         self.side.follow()
-        self.written_weights(it)  # weights the user wrote since the last update, before this one reads them
+        self.written_weights(iteration)  # weights the user wrote since the last update, before this one reads them
 
     def backward_before_steps(self) -> None:
         """The first bucket of a synced backward that starts before every member stepped after the last
@@ -151,21 +151,21 @@ class Stepping:
         grad_reduce="all_reduce": the members that did not step leave their gradients in the buckets,
         which this backward adds to and reduces again, as DDP does), refused elsewhere, on every rank,
         before anything of it is reduced (step_policy.py)."""
-        it = self.iteration
-        self.policy.check_second_backward(it.stepped)
-        for item in it.ready:  # reduced again from the buckets DDP accumulated into
+        iteration = self.iteration
+        self.policy.check_second_backward(iteration.stepped)
+        for item in iteration.ready:  # reduced again from the buckets DDP accumulated into
             for w in item.works:
                 w.wait()
-        if it.stepped:
-            self._end_iteration(it)
+        if iteration.stepped:
+            self._end_iteration(iteration)
         else:
             self.side.join()  # the compute stream after the waits above, before the buckets are reused
             self.iteration = Iteration()
 
-    def _end_iteration(self, it: Iteration) -> None:
+    def _end_iteration(self, iteration: Iteration) -> None:
         """Every member has stepped (or the next backward starts): the arenas' packing once DDP's buckets
         are stable, the streams' joins."""
-        for item in it.reduced():
+        for item in iteration.reduced():
             item.shard.reduced_buffer = None  # every member has read it
         self.policy.watch.clear()
         if self.single is not None and self.single.step_ended():
@@ -195,10 +195,10 @@ class Stepping:
             shard.gather.finish()
         self.side.join()
 
-    def written_weights(self, it: Iteration) -> list[int]:
+    def written_weights(self, iteration: Iteration) -> list[int]:
         """The parameters the user wrote since the update last looked (reducing/weight_watch.py): their
         masters taken afresh from them, on the side stream after the write (queued on the current
-        stream), before any update reads them; ``it.wrote``: this iteration's bits for the ranks'
+        stream), before any update reads them; ``iteration.wrote``: this iteration's bits for the ranks'
         agreement (step_policy.refuse). Returns them."""
         pids = self.weights.written(self._buffer_of)
         if pids:
@@ -206,8 +206,8 @@ class Stepping:
             with self.side.run(follow_current=True):
                 for shard in shards.values():
                     refresh_masters(shard, pids)
-            it.written = sorted(set(pids) | set(it.written))
-            it.wrote = self.weights.bits(it.written)
+            iteration.written = sorted(set(pids) | set(iteration.written))
+            iteration.wrote = self.weights.bits(iteration.written)
         return pids
 
     def _buffer_of(self, pid: int):
@@ -215,13 +215,13 @@ class Stepping:
         shard, local = self.registry.where[pid]
         return shard.param_buffer, shard.layout.offsets[local]
 
-    def _count_skip(self, it: Iteration, member) -> None:
+    def _count_skip(self, iteration: Iteration, member) -> None:
         """The member's skip flag into its skipped-step counter and its GradScaler's found-inf tensors.
         Both read the flag that the side stream's checks wrote, so they are queued there, after the
         current stream (the user's ``scaler.unscale_`` wrote the scaler's tensors on it); ``step()``
         then orders the current stream after the side stream before anyone reads them."""
         m = member.index
-        flag = it.found_inf[m:m + 1]
+        flag = iteration.found_inf[m:m + 1]
         with self.side.run(follow_current=True):
             if member.scaler is not None and member.scaler.enabled:
                 member.scaler.publish(flag)

@@ -63,7 +63,7 @@ class Unit:
                 id(self.norm_segments), identity((self.table, grad, self.param, self.state, self.scales)))
 
 
-def launch_units(parameters: ParamTable, single, coefficients, it, items: list[Reduced], coefs: list,
+def launch_units(parameters: ParamTable, single, coefficients, iteration, items: list[Reduced], coefs: list,
                  members: list[int]) -> list[Unit]:
     """The launches that update ``members``' parameters of ``items``: one per dtype, member and state
     format when the arenas hold exactly these shards and one table per member serves them all, else
@@ -73,7 +73,7 @@ def launch_units(parameters: ParamTable, single, coefficients, it, items: list[R
     engine's parameter table (buckets/param_table.py), ``single`` the arenas' launches (buckets/arena.py) or None."""
     phased = {m.index for m in parameters.members if m.algo.runs.phased}
     launches = single.for_step([item.shard for item in items], skip=phased) if single else None
-    tables = _one_table(len(parameters.tensors), coefficients, it, items, coefs, members) \
+    tables = _one_table(len(parameters.tensors), coefficients, iteration, items, coefs, members) \
         if launches is not None else None
     if tables is None:
         return [_part_unit(part, item.shard, t[part.member])
@@ -93,7 +93,7 @@ def _part_unit(part, shard: BucketShard, table: torch.Tensor) -> Unit:
                 shard.reduced_buffer, shard.param_buffer, part.state, part.scales, [part], [shard])
 
 
-def _one_table(n: int, coefficients, it, items: list[Reduced], coefs: list, members: list[int]) -> dict | None:
+def _one_table(n: int, coefficients, iteration, items: list[Reduced], coefs: list, members: list[int]) -> dict | None:
     """One coefficient table per member for every bucket of the step (a parameter is in one bucket
     only): the iteration's shared ones, or ones built from the host's flags where some parameter is
     known to have no gradient; None where neither fits (then one launch per bucket). ``n``: the engine's
@@ -105,4 +105,4 @@ def _one_table(n: int, coefficients, it, items: list[Reduced], coefs: list, memb
     mask = np.ones(n)
     for item in items:
         mask[item.shard.pids] = item.active
-    return coefficients.build(it, mask, members)
+    return coefficients.build(iteration, mask, members)

@@ -12,14 +12,14 @@ from ..comm import collectives
 from .launches import Unit
 
 
-def check(it, units: list[Unit], scales: dict, clip: float | None, edited: dict, group, *, scratch, backend: str,
+def check(iteration, units: list[Unit], scales: dict, clip: float | None, edited: dict, group, *, scratch, backend: str,
           world: int, members: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over this rank's reduced slices of ``units`` (each unscaled by its member's loss
     scale): the sum of squares and each member's count of non-finite values, all-reduced with this
     rank's edit flags in one collective. Returns each member's skip flag, float32 ``[members]`` (a
     device tensor: no host sync), and the sum of squares (the global norm's where the units hold every
     member's gradients: Updates.grad_sumsq); with ``clip`` (a ``max_grad_norm``), writes the iteration's
-    clip coefficient into ``it.clip``. ``group``: the collective's (updates.py: DDP's, or its twin), of
+    clip coefficient into ``iteration.clip``. ``group``: the collective's (updates.py: DDP's, or its twin), of
     ``world`` ranks; ``scratch``: where the pass writes (comm/scratch.py); ``members``: how many."""
     n = members
     scratch = scratch.under("check", *sorted(edited))
@@ -44,5 +44,5 @@ def check(it, units: list[Unit], scales: dict, clip: float | None, edited: dict,
     found = torch.maximum(stats[1:1 + n], stats[1 + n:], out=scratch.take("found", (n,), torch.float32))
     found.clamp_(max=1.0)
     if clip is not None:
-        clip_coefficient(stats[0], clip, it.clip)
+        clip_coefficient(stats[0], clip, iteration.clip)
     return found, stats[0]

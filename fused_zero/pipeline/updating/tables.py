@@ -69,24 +69,25 @@ class CoefficientTables:
             self._groups[member] = self.side.upload(torch.from_numpy(groups))
         return self._groups[member]
 
-    def build(self, it, active: np.ndarray, members: list[int]) -> dict[int, torch.Tensor]:
+    def build(self, iteration, active: np.ndarray, members: list[int]) -> dict[int, torch.Tensor]:
         """The tables of ``members`` for this step, rows active where ``active``."""
-        return {m: self._table(m, it.hparams[m], active) for m in members}
+        return {m: self._table(m, iteration.hparams[m], active) for m in members}
 
-    def for_bucket(self, it, shard, active: np.ndarray | UsedFlags, members: list[int]) -> dict[int, torch.Tensor]:
+    def for_bucket(self, iteration, shard, active: np.ndarray | UsedFlags,
+                   members: list[int]) -> dict[int, torch.Tensor]:
         """The tables of ``members`` a bucket's update reads: the iteration's shared ones (every row
         active), with this bucket's rows of column 0 set from all-reduced flags on the device, or tables
         of its own where the host knows that some parameter of the bucket got no gradient. The shared
         table of a member is built at its first use in the iteration (in overlap="step", the member's
         ``step()`` drops it first: its param groups are read then)."""
         n = len(self.parameters.tensors)
-        if not it.counting:  # the iteration's first tables, before any of its updates
+        if not iteration.counting:  # the iteration's first tables, before any of its updates
             self.step_counts.begin_iteration()
-            it.counting = True
-        missing = [m for m in members if m not in it.coefs]
+            iteration.counting = True
+        missing = [m for m in members if m not in iteration.coefs]
         if missing:
-            it.coefs.update(self.build(it, np.ones(n), missing))
-        tables = {m: it.coefs[m] for m in members}
+            iteration.coefs.update(self.build(iteration, np.ones(n), missing))
+        tables = {m: iteration.coefs[m] for m in members}
         if isinstance(active, UsedFlags):  # runs on the side stream, after the flags' all-reduce
             pids, used = active.table[0], active.table[1]
             for table in tables.values():  # another member's rows are read by no launch of this member
@@ -96,4 +97,4 @@ class CoefficientTables:
             return tables
         mask = np.ones(n)
         mask[shard.pids] = active
-        return self.build(it, mask, members)
+        return self.build(iteration, mask, members)

@@ -78,9 +78,9 @@ class Updates:
             self._whole_matrix[member.index] = runner(self.parameters, self.reduction, member, self.gather_group)
         return self._whole_matrix[member.index]
 
-    def finish(self, it, count: int, max_norm: float | None = None, each_bucket: bool = False) -> None:
+    def finish(self, iteration, count: int, max_norm: float | None = None, each_bucket: bool = False) -> None:
         """Overlap modes "bucket" and "backward", in the backward: wait for the first ``count`` ready
-        reductions of iteration ``it`` and update those buckets, every member's parameters.
+        reductions of iteration ``iteration`` and update those buckets, every member's parameters.
 
         ``each_bucket`` (overlap="bucket"): every bucket is checked and skipped on its own, also when
         several are updated in one call (on the CPU the last two are): one non-finite bucket must not
@@ -89,7 +89,7 @@ class Updates:
         On CUDA the waits are made by the side stream, so the backward's own stream never waits
         for communication.
         """
-        todo, it.ready = it.ready[:count], it.ready[count:]
+        todo, iteration.ready = iteration.ready[:count], iteration.ready[count:]
         if not todo:
             return
         members = [m.index for m in self.members]
@@ -97,12 +97,12 @@ class Updates:
             for item in todo:
                 for w in item.works:
                     w.wait()
-            it.waited += todo
-            scales = dict.fromkeys(members, it.grad_scale)
+            iteration.waited += todo
+            scales = dict.fromkeys(members, iteration.grad_scale)
             for group in ([item] for item in todo) if each_bucket else [todo]:
-                self._update(it, group, members, scales, members, self._clips(it, max_norm), {})
+                self._update(iteration, group, members, scales, members, self._clips(iteration, max_norm), {})
 
-    def step_member(self, it, member, max_norm: float | None, grad_scale: torch.Tensor | None, edited: bool,
+    def step_member(self, iteration, member, max_norm: float | None, grad_scale: torch.Tensor | None, edited: bool,
                     follow: bool) -> None:
         """Overlap mode "step", in ``member``'s ``step()``: its update of every bucket reduced in this
         iteration, from its gradients as they are now, skipped (on every rank) if they are not finite
@@ -115,12 +115,12 @@ class Updates:
         divided them). ``follow``: the side stream also waits for the current stream (the update reads
         something queued there after the backward: the user's edit of ``.grad``, GradScaler's scale).
         """
-        todo, it.ready = it.ready, []
+        todo, iteration.ready = iteration.ready, []
         with self.side.run(follow_current=self.world == 1 or follow):
             for item in todo:
                 for w in item.works:
                     w.wait()
-            it.waited += todo
+            iteration.waited += todo
             scales = {m.index: m.scaler.scale() if m.scaler is not None and m.scaler.enabled and
                       not m.scaler.unscaled() else None for m in self.members}
             if grad_scale is not None and self.graph is not None:  # GradScaler hands a new tensor each step
@@ -128,74 +128,75 @@ class Updates:
                 grad_scale = self.scratch.under("member", member.index).take(
                     "grad_scale", grad_scale.shape, grad_scale.dtype).copy_(grad_scale)
             scales[member.index] = grad_scale
-            clip = self._clips(it, max_norm)
+            clip = self._clips(iteration, max_norm)
             norm = [m.index for m in self.members] if clip is not None else [member.index]
-            self._update(it, it.waited, [member.index], scales, norm, clip, {member.index: edited})
+            self._update(iteration, iteration.waited, [member.index], scales, norm, clip, {member.index: edited})
 
-    def _clips(self, it, max_norm: float | None) -> float | None:
+    def _clips(self, iteration, max_norm: float | None) -> float | None:
         """``max_norm`` where this update computes the iteration's clip coefficient (the first one, with
-        ``max_grad_norm``), whose tensor ``it.clip`` is then set: on the host, so that a replayed graph
+        ``max_grad_norm``), whose tensor ``iteration.clip`` is then set: on the host, so that a replayed graph
         (which runs no Python) leaves it set too; else None."""
-        if max_norm is None or it.clip is not None:
+        if max_norm is None or iteration.clip is not None:
             return None
-        it.clip = self.scratch.take("clip", (1,), torch.float32)
+        iteration.clip = self.scratch.take("clip", (1,), torch.float32)
         return max_norm
 
-    def _update(self, it, items: list[Reduced], members: list[int], scales: dict, norm: list[int],
+    def _update(self, iteration, items: list[Reduced], members: list[int], scales: dict, norm: list[int],
                 clip: float | None, edited: dict) -> None:
         """Update ``members``' parameters of ``items`` unless some rank's reduced gradients of the member
         are not finite (then nothing of that member is written, on every rank, and its step counts stay).
         ``scales``: the loss scale each member's gradients carry (or None); ``norm``: the members whose
         gradients the overflow / norm pass reads (every member's where the clip coefficient is computed);
-        ``clip``: the ``max_grad_norm`` whose coefficient this update computes into ``it.clip``, or None;
+        ``clip``: the ``max_grad_norm`` whose coefficient this update computes into ``iteration.clip``, or None;
         ``edited``: members with an edit of ``.grad`` that their update cannot honor (this rank's).
 
         The host's part first (tables uploaded, launches planned, earlier gathers waited for), then the
         device work: queued as it goes, or, with ``capturable=True``, captured once in a CUDA graph and
         replayed (step_graph.py)."""
         needed = sorted(set(members) | set(norm))
-        coefs = [self.tables.for_bucket(it, item.shard, item.active, needed) for item in items]
+        coefs = [self.tables.for_bucket(iteration, item.shard, item.active, needed) for item in items]
         counted = self._counted(items, coefs, members)  # uploads first, before this call's kernels are queued
-        units = launch_units(self.parameters, self.single, self.tables, it, items, coefs, members)
+        units = launch_units(self.parameters, self.single, self.tables, iteration, items, coefs, members)
         others = [m for m in norm if m not in members]
         norm_units = [u for u in units if u.member in norm] + \
-            (launch_units(self.parameters, self.single, self.tables, it, items, coefs, others) if others else [])
+            (launch_units(self.parameters, self.single, self.tables, iteration, items, coefs, others) if others else [])
         for shard in {id(s): s for unit in units for s in unit.shards}.values():
             shard.gather.finish()
 
         def work(joined: bool = False) -> None:
-            self._device_work(it, items, coefs, counted, units, norm_units, members, scales, clip, edited, joined)
+            self._device_work(iteration, items, coefs, counted, units, norm_units, members, scales, clip, edited,
+                              joined)
         if self.graph is None or not all(self.members[m].captured for m in members):  # a member built without
             work()  # capturable=True steps eagerly beside one with it (step_graph.py)
             return
         self.graph.run(members[0] if len(members) == 1 else -1,
-                    (it.found_inf, scales, edited, clip, it.clip, self.tables.pending, counted, units,
+                    (iteration.found_inf, scales, edited, clip, iteration.clip, self.tables.pending, counted, units,
                      norm_units), lambda: work(joined=True))
         self.tables.pending = []
 
-    def _device_work(self, it, items: list[Reduced], coefs: list, counted: list, units: list[Unit],
+    def _device_work(self, iteration, items: list[Reduced], coefs: list, counted: list, units: list[Unit],
                      norm_units: list[Unit], members: list[int], scales: dict, clip: float | None,
                      edited: dict, joined: bool = False) -> None:
         """Everything ``_update`` queues on the device: step columns, checks, updates, counts, gathers. It
         reads device memory only (a CUDA graph can hold it). ``joined``: the side stream waits for the
         gathers too (a graph must join the streams it forks)."""
         self.tables.fill_steps()
-        found, sumsq = check(it, norm_units, scales, clip, edited, self.check_group, scratch=self.scratch,
+        found, sumsq = check(iteration, norm_units, scales, clip, edited, self.check_group, scratch=self.scratch,
                              backend=self.backend, world=self.world, members=len(self.members))
         if len(norm_units) > 0 and {u.member for u in norm_units} >= {m.index for m in self.members}:
             self.grad_sumsq = sumsq  # the pass read every member's gradients: the global norm's
         for m in members:
-            torch.maximum(it.found_inf[m:m + 1], found[m:m + 1], out=it.found_inf[m:m + 1])
+            torch.maximum(iteration.found_inf[m:m + 1], found[m:m + 1], out=iteration.found_inf[m:m + 1])
         for j, (m, pids, table) in enumerate(counted):  # on the side stream: the next table reads the counts there
             self.step_counts.count(pids, table, found[m:m + 1], self.scratch.under("member", m, "count", j))
-        args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=it.clip,
-                        stochastic=self.stochastic, hparams=it.hparams[m], group_of=self.group_of,
+        args = {m: dict(grad_scale=scales[m], found_inf=found[m:m + 1], clip_coef=iteration.clip,
+                        stochastic=self.stochastic, hparams=iteration.hparams[m], group_of=self.group_of,
                         grad_div=self.reduction.grad_div, asynchronous=self.side.asynchronous)
                 for m in members}
         for m in members:  # what updates in phases with collectives between (Muon), first, on every rank
             member = self.members[m]
             if member.algo.runs.phased and any(m in item.shard.member_set for item in items):
-                self._whole(member).step(it, items, [t[m] for t in coefs], [u for u in units if u.member == m],
+                self._whole(member).step(iteration, items, [t[m] for t in coefs], [u for u in units if u.member == m],
                                          args[m])
         gathers = self._gathers(items, units, members)
         for j, unit in enumerate(units):

@@ -76,7 +76,7 @@ class WholeMatrix:
         self.world = world
         self.ns_flops = 0  # this rank's Newton-Schulz matmul FLOPs so far (bench/, tests)
 
-    def step(self, it, items, tables: list[torch.Tensor], units, args: dict) -> None:
+    def step(self, iteration, items, tables: list[torch.Tensor], units, args: dict) -> None:
         """The member's update of ``items``; ``tables``: its coefficient table for each item (their
         column 0: which parameters got a gradient); ``units``: its launches of them on this rank (one
         per part: the rows of this rank's region)."""
@@ -88,7 +88,7 @@ class WholeMatrix:
             for row in unit.rows:
                 if row[4] in live:
                     rows.setdefault(row[4], []).append((unit, row))
-        hp = it.hparams[self.member.index]
+        hp = iteration.hparams[self.member.index]
         with range_push("fused_zero.muon"):
             inputs, sends = self._momentum(mats, rows, hp, args)
             incoming = self._incoming(mats)

@@ -47,7 +47,7 @@ class WholeParams:
         self.params, self.group_of = parameters.tensors, parameters.group_of
         self.grad_div, self.one_all_reduce = reduction.grad_div, reduction.one_all_reduce
 
-    def step(self, it, items, tables: list[torch.Tensor], units, args: dict) -> None:
+    def step(self, iteration, items, tables: list[torch.Tensor], units, args: dict) -> None:
         """The member's update of ``items``; ``tables``: its coefficient table for each item (columns
         ``active``, ``grad_div``, ``step``: algorithms/elementwise.COLUMNS); ``units``: its launches on this
         rank (the rows of its region, for the masters' write-back)."""
@@ -56,7 +56,7 @@ class WholeParams:
         on_device = bool(args.get("asynchronous"))
         skip = not on_device and found is not None and float(found) != 0.0
         inv = gradients.inverse_scale(args["grad_scale"]) if args.get("grad_scale") is not None else None
-        hp = it.hparams[m]
+        hp = iteration.hparams[m]
         rows: dict[int, list] = {}
         for unit in units:
             for row in unit.rows:
