@@ -191,7 +191,7 @@ def _apply(view, groups: list[dict], entries: dict[int, dict]) -> None:
     view.algo.refresh(opt.param_groups)
     view.synchronize()
     hold = view.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    view.layout.holding = view.layout.holding or hold
+    view.layout.held_decoded = view.layout.held_decoded or hold
     member = view.table.member
     for shard in view.layout.shards():
         shard.init_master_from_params(member)

@@ -124,7 +124,7 @@ def sharded_state_dict(view) -> dict:
                 stored.setdefault(index[id(p)], {})[key] = STORED[dtype]
         entry.update(canonical.kept_entries(view, i))  # replicated: the same on every rank
         state[index[id(p)]] = entry
-    if mesh is not None and "8bit" in view.table.state_formats and not view.layout.holding:  # alike on every rank
+    if mesh is not None and "8bit" in view.table.state_formats and not view.layout.held_decoded:  # alike on every rank
         blocks = _gather_blocks(view, index, group)
     describe = dict(_describe(view), stored=stored, blocks=blocks)
     # one tuple: DCP stores it as one pickled object, where it would cut dicts and lists into leaves
@@ -148,7 +148,7 @@ def _saved_dtype(view, i: int, name: str, compact: bool) -> torch.dtype:
     metadata): its format's dtype, but fp32 for masters, without a process group (``compact`` False: no
     DTensor receives into fp32), and for 8-bit moments a load holds in fp32 until DDP's rebuild."""
     fmt = view.table.state_formats[i]
-    if name == "master" or not compact or (view.layout.holding and fmt == "8bit"):
+    if name == "master" or not compact or (view.layout.held_decoded and fmt == "8bit"):
         return torch.float32
     return DTYPES[fmt]
 
@@ -294,7 +294,7 @@ def _apply(view, groups, values) -> None:
     view.algo.refresh(opt.param_groups)
     steps, member = view.steps, view.table.member
     hold = view.layout.rebuild_pending()  # 8-bit moments encoded once, in the rebuilt layout's blocks
-    view.layout.holding = view.layout.holding or hold
+    view.layout.held_decoded = view.layout.held_decoded or hold
     for shard in view.layout.shards():
         names = view.layout.names(shard)
         # the state itself where it is fp32, else a region to encode from: every slot of the optimizer's

@@ -128,10 +128,10 @@ class Engine:
             keeps_master=self.options.keeps_master, upload=self.side.upload if self.backend == "triton" else None,
             device=self.device, topology=topo, members=self.member_of, state_formats=self.state_formats)
         # backward and step modes: one launch per step, dtype, member and format once DDP's buckets are stable
-        self.single = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
+        self.single_launch = SingleLaunch(self.registry, self.backend) if self.overlap != "bucket" else None
         self.updates = Updates(self.parameters, self.options, topology=topo, reduction=self.reduction,
                                side=self.side, scratch=self.scratch, step_counts=self.step_counts, graph=self.graph,
-                               single=self.single, backend=self.backend)
+                               single_launch=self.single_launch, backend=self.backend)
         self.policy = StepPolicy(self.parameters, self.options, local=self.local, registry=self.registry,
                                  topology=topo, side=self.side)
         if self.backend == "triton":
@@ -147,7 +147,7 @@ class Engine:
         self.weights = WeightWatch(self.params, [m != NO_MEMBER for m in self.member_of])
         self.stepping = Stepping(
             self.parameters, self.options, side=self.side, scratch=self.scratch, skipped=self.skipped,
-            registry=self.registry, weights=self.weights, single=self.single, reduction=self.reduction,
+            registry=self.registry, weights=self.weights, single_launch=self.single_launch, reduction=self.reduction,
             updates=self.updates, policy=self.policy,
             encode_if_final=functools.partial(rebuild.encode_if_final, self.registry, ddp, self.local),
             drive=functools.partial(ddp.drive, self.parameters, self.reduction.used_local, self.on_bucket)

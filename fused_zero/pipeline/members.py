@@ -99,7 +99,7 @@ class ParamTable:
 class StateLayout:
     """Where a member's state lives: the shards of the buckets holding its parameters, its parts and
     state names in each, where each parameter is, and whether 8-bit moments are held in fp32 since a
-    load (``holding``: the registry's, read and set) and whether DDP's rebuild, which makes it so, is to
+    load (``held_decoded``: the registry's, read and set) and whether DDP's rebuild, which makes it so, is to
     come. Built by the engine (``Engine.view``) from the registry, the weights' watch and the rebuild's
     test, bound to the DDP module."""
 
@@ -132,12 +132,12 @@ class StateLayout:
         self._weights.look()
 
     @property
-    def holding(self) -> bool:
-        return self._registry.holding
+    def held_decoded(self) -> bool:
+        return self._registry.held_decoded
 
-    @holding.setter
-    def holding(self, value: bool) -> None:
-        self._registry.holding = value
+    @held_decoded.setter
+    def held_decoded(self, value: bool) -> None:
+        self._registry.held_decoded = value
 
 
 class MemberView:

@@ -22,7 +22,7 @@ def pending(ddp, local: bool) -> bool:
 
 def encode_if_final(registry, ddp, local: bool) -> None:
     """At the end of a step, once the compute stream follows the updates: the moments a load held
-    (``registry.holding``), encoded if no rebuild can come. (A shard is held only while a rebuild is
+    (``registry.held_decoded``), encoded if no rebuild can come. (A shard is held only while a rebuild is
     pending, so the arenas, packed once the buckets are stable, never see one.)"""
-    if registry.holding and not pending(ddp, local):
+    if registry.held_decoded and not pending(ddp, local):
         registry.encode_held()

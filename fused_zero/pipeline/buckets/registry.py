@@ -34,7 +34,7 @@ class ShardRegistry:
             then): what lets the hook skip reading the bucket in full (see ``cached``).
         bucket_reads: how many times a bucket was read in full (``shard_for``); unchanged over an
             iteration means DDP's buckets were all known (arena.py packs the shards then).
-        holding: some shard holds 8-bit moments in fp32 since a load, until DDP's bucket rebuild
+        held_decoded: some shard holds 8-bit moments decoded, in fp32, since a load, until DDP's bucket rebuild
             (rebuild.py; set by the load, reset by ``encode_held``).
     """
 
@@ -57,7 +57,7 @@ class ShardRegistry:
         self.layout_changes = 0
         self.seen: dict[int, tuple[weakref.ref, BucketShard, int]] = {}
         self.bucket_reads = 0
-        self.holding = False
+        self.held_decoded = False
 
     def install_initial_layout(self, module: torch.nn.Module, pid_of: dict) -> None:
         """State for one bucket per dtype holding every parameter in registration order: what DDP
@@ -85,7 +85,7 @@ class ShardRegistry:
         for shard in self.shards():
             if shard.held:
                 shard.encode_held()
-        self.holding = False
+        self.held_decoded = False
 
     def cached(self, index: int, buffer: torch.Tensor) -> BucketShard | None:
         """The shard of DDP bucket ``index`` if ``buffer`` is the very tensor seen there last time and

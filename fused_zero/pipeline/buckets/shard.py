@@ -134,11 +134,11 @@ class Part:
         self.state, self.scales = state, scales
 
 
-def _part_spans(pieces: list, size: int, single: bool) -> tuple[list, list, int]:
+def _part_spans(pieces: list, size: int, only_part: bool) -> tuple[list, list, int]:
     """``(rows, spans, size)`` of one part from its region pieces ``(region_off, length, ...)`` in
     region order: the region itself where the part is the shard's only one, else the pieces' runs
     packed, each at its region offset modulo PART_ALIGN."""
-    if single:
+    if only_part:
         return list(pieces), [(0, 0, size)], size
     rows, spans, at = [], [], 0
     for piece in pieces:
@@ -222,10 +222,10 @@ class BucketShard:
         self._completed: tuple | None = None  # (weak reference to DDP's buffer, completed Future of it)
         self.reduced_buffer: torch.Tensor | None = None  # kept until the step has run
 
-    def _part(self, key: tuple[int, str], pieces: list, single: bool, state_names: list[str], master: bool,
+    def _part(self, key: tuple[int, str], pieces: list, only_part: bool, state_names: list[str], master: bool,
               device, upload) -> Part:
         member, fmt = key
-        rows, spans, size = _part_spans([row for row, _ in pieces], self.layout.region_size, single)
+        rows, spans, size = _part_spans([row for row, _ in pieces], self.layout.region_size, only_part)
         norm_rows = [row for row, (_, counted) in zip(rows, pieces) if counted]
         moments = DTYPES[fmt]
         state = {name: torch.zeros(size, dtype=moments, device=device) for name in state_names}
@@ -237,7 +237,7 @@ class BucketShard:
         segments = Segments.build(rows, upload=upload) if upload is not None else None
         norm_segments = Segments.build(norm_rows, upload=upload) if upload is not None else None
         blocks = codecs.BlockTable(table, size, device, upload)
-        return Part(member, fmt, state, scales, rows, table, segments, blocks, spans, size, single, norm_rows,
+        return Part(member, fmt, state, scales, rows, table, segments, blocks, spans, size, only_part, norm_rows,
                     norm_segments)
 
     @property

@@ -36,10 +36,10 @@ class Stepping:
     """
 
     def __init__(self, parameters: ParamTable, options: ShardingOptions, *, side, scratch, skipped: torch.Tensor,
-                 registry, weights, single, reduction, updates, policy, encode_if_final: Callable,
+                 registry, weights, single_launch, reduction, updates, policy, encode_if_final: Callable,
                  drive: Callable | None):
         """``side``, ``scratch``: the side stream and the tensors the device work writes (comm/);
-        ``skipped``: each member's skipped steps on the device; ``registry``, ``single``: the shards and,
+        ``skipped``: each member's skipped steps on the device; ``registry``, ``single_launch``: the shards and,
         in overlap modes "backward" and "step", their arenas (buckets/); ``weights``: the user's writes of
         the parameters (reducing/weight_watch.py); ``reduction``, ``updates``, ``policy``: the stages;
         ``encode_if_final``: the moments a load held in fp32, encoded at a step's end once DDP will not
@@ -48,7 +48,7 @@ class Stepping:
         self.members = parameters.members
         self.overlap, self.param_sync = options.overlap, options.param_sync
         self.side, self.scratch, self.skipped = side, scratch, skipped
-        self.registry, self.weights, self.single = registry, weights, single
+        self.registry, self.weights, self.single_launch = registry, weights, single_launch
         self.reduction, self.updates, self.policy = reduction, updates, policy
         self.encode_if_final, self.drive = encode_if_final, drive
         self.iteration = Iteration()
@@ -168,9 +168,9 @@ class Stepping:
         for item in iteration.reduced():
             item.shard.reduced_buffer = None  # every member has read it
         self.policy.watch.clear()
-        if self.single is not None and self.single.step_ended():
+        if self.single_launch is not None and self.single_launch.step_ended():
             self.synchronize()  # nothing may be pending on the shards while they move
-            self.single.pack()
+            self.single_launch.pack()
             with self.side.run(follow_current=True):  # later updates after the moves
                 pass
         self.reduction.end_step()

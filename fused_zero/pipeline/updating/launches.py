@@ -63,16 +63,17 @@ class Unit:
                 id(self.norm_segments), identity((self.table, grad, self.param, self.state, self.scales)))
 
 
-def launch_units(parameters: ParamTable, single, coefficients, iteration, items: list[Reduced], coefs: list,
+def launch_units(parameters: ParamTable, single_launch, coefficients, iteration, items: list[Reduced], coefs: list,
                  members: list[int]) -> list[Unit]:
     """The launches that update ``members``' parameters of ``items``: one per dtype, member and state
     format when the arenas hold exactly these shards and one table per member serves them all, else
     one per bucket, member and state format (and always one per part for a member that updates in
     phases). The norm pass reads each part's counted gradients in its launch. ``coefficients``: the
     step's CoefficientTables (tables.py), ``coefs`` the tables each item's update reads; ``parameters`` the
-    engine's parameter table (buckets/param_table.py), ``single`` the arenas' launches (buckets/arena.py) or None."""
+    engine's parameter table (buckets/param_table.py), ``single_launch`` the arenas' launches
+    (buckets/arena.py) or None."""
     phased = {m.index for m in parameters.members if m.algo.runs.phased}
-    launches = single.for_step([item.shard for item in items], skip=phased) if single else None
+    launches = single_launch.for_step([item.shard for item in items], skip=phased) if single_launch else None
     tables = _one_table(len(parameters.tensors), coefficients, iteration, items, coefs, members) \
         if launches is not None else None
     if tables is None:

@@ -41,17 +41,17 @@ class Updates:
     """
 
     def __init__(self, parameters: ParamTable, options: ShardingOptions, *, topology, reduction, side, scratch,
-                 step_counts, graph, single, backend: str):
+                 step_counts, graph, single_launch, backend: str):
         """``parameters``: the engine's parameter table (buckets/param_table.py); ``topology``: the process
         groups (buckets/topology.py); ``reduction``: the stage before, whose divisors the update applies
         (reducing/reduction.py); ``side``, ``scratch``: where the device work runs and the tensors it
         writes (comm/); ``step_counts``: the counts it adds to (step_counts.py); ``graph``: the CUDA
-        graphs that replay it (step_end/step_graph.py), or None; ``single``: the arenas' launches
+        graphs that replay it (step_end/step_graph.py), or None; ``single_launch``: the arenas' launches
         (buckets/arena.py), or None; ``backend``: "triton" or "torch"."""
         self.parameters, self.members, self.group_of = parameters, parameters.members, parameters.group_of
         self.stochastic = options.stochastic_rounding
         self.reduction, self.side, self.scratch, self.step_counts = reduction, side, scratch, step_counts
-        self.graph, self.single, self.backend = graph, single, backend
+        self.graph, self.single_launch, self.backend = graph, single_launch, backend
         self.group, self.world, self.rank = topology.group, topology.world, topology.rank
         # the collectives that wait for an update, off the reductions' communicators where a later
         # reduction of the same backward would queue behind them (overlap="bucket")
@@ -156,10 +156,10 @@ class Updates:
         needed = sorted(set(members) | set(norm))
         coefs = [self.tables.for_bucket(iteration, item.shard, item.active, needed) for item in items]
         counted = self._counted(items, coefs, members)  # uploads first, before this call's kernels are queued
-        units = launch_units(self.parameters, self.single, self.tables, iteration, items, coefs, members)
+        units = launch_units(self.parameters, self.single_launch, self.tables, iteration, items, coefs, members)
         others = [m for m in norm if m not in members]
-        norm_units = [u for u in units if u.member in norm] + \
-            (launch_units(self.parameters, self.single, self.tables, iteration, items, coefs, others) if others else [])
+        norm_units = [u for u in units if u.member in norm] + (launch_units(
+            self.parameters, self.single_launch, self.tables, iteration, items, coefs, others) if others else [])
         for shard in {id(s): s for unit in units for s in unit.shards}.values():
             shard.gather.finish()
 

@@ -38,7 +38,7 @@ def _launches_per_step(case: Case, rank: int, world: int) -> dict:
     engine.close()
     return {"launches": calls, "buckets": buckets, "worst": worst,
             "dtypes": len({p.dtype for p in model.parameters() if p.requires_grad}),
-            "arenas": len(engine.single.arenas) if engine.single else 0}
+            "arenas": len(engine.single_launch.arenas) if engine.single_launch else 0}
 
 
 def _cases(rank: int, world: int, cases: list[Case]) -> list[dict]:
