@@ -44,7 +44,7 @@ import math
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-from .optimizer import _ShardedOptimizer
+from .optimizer import ShardedOptimizer
 from .options import check_whole_step
 
 
@@ -54,7 +54,7 @@ def attach(accelerator, model, optimizer, **options) -> None:
     ``accelerator.clip_grad_norm_`` of its parameters to the optimizer. ``options``: sharding options
     not given at construction (see ``fused_zero.AdamW``)."""
     opt = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
-    if not isinstance(opt, _ShardedOptimizer):
+    if not isinstance(opt, ShardedOptimizer):
         raise TypeError(f"attach needs the fused_zero optimizer that accelerator.prepare returned, got "
                         f"{type(opt).__module__}.{type(opt).__qualname__}")
     scaler = optimizer.scaler if isinstance(optimizer, AcceleratedOptimizer) else getattr(accelerator, "scaler", None)
@@ -88,7 +88,7 @@ def _default_overlap(merged: dict) -> dict:
     return {"overlap": "backward" if merged.get("max_grad_norm") is not None else "step"}
 
 
-def _save_from_the_writing_ranks(accelerator, opt: _ShardedOptimizer) -> None:
+def _save_from_the_writing_ranks(accelerator, opt: ShardedOptimizer) -> None:
     """``save_state`` runs on every rank and asks every rank for ``optimizer.state_dict()``, but
     ``optimizer.bin`` is written from the main process alone (from each node's local main process with
     ``ProjectConfiguration(save_on_each_node=True)``: ``accelerate.utils.save``), and the other ranks'
@@ -127,7 +127,7 @@ def _writes_here(accelerator) -> bool:
     return accelerator.is_main_process
 
 
-def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: dict) -> None:
+def _check_loss_scaling(accelerator, opt: ShardedOptimizer, scaler, options: dict) -> None:
     """Accelerate's GradScaler must be the optimizer's (it scales the loss of every backward, which the
     optimizer's update divides by), in a mode that can take one."""
     own = opt.sharding_options.get("grad_scaler") or options.get("grad_scaler")
@@ -142,7 +142,7 @@ def _check_loss_scaling(accelerator, opt: _ShardedOptimizer, scaler, options: di
                      options.get("overlap", opt.sharding_options.get("overlap", "auto")))
 
 
-def _keep_unscaling_out(accelerator, opt: _ShardedOptimizer) -> None:
+def _keep_unscaling_out(accelerator, opt: ShardedOptimizer) -> None:
     """``scaler.unscale_(opt)`` unscales ``param.grad``, which the update mostly does not read (it divides
     its own reduced slices by the loss scale), and then tells the update the gradients are unscaled
     already. So Accelerate's unscaling of every optimizer (``clip_grad_norm_`` of other parameters does
@@ -186,7 +186,7 @@ class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
         return False if skipped is None else bool(skipped)
 
 
-def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimizer) -> None:
+def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: ShardedOptimizer) -> None:
     counts = [opt.skipped_steps_on_device()]  # the optimizer's skipped-step counter, as of the last step
 
     def after_step(*_):
@@ -199,7 +199,7 @@ def _report_skipped_steps(accelerated: AcceleratedOptimizer, opt: _ShardedOptimi
     opt.register_step_post_hook(after_step)
 
 
-def _route_clipping(accelerator, opt: _ShardedOptimizer) -> None:
+def _route_clipping(accelerator, opt: ShardedOptimizer) -> None:
     """Accelerate clips ``param.grad`` between the backward and ``step()``, which this optimizer's update
     does not read (its mode reads its own reduced slices, or ran in the backward): so a clip of the
     optimizer's parameters becomes its next ``step()``'s ``max_grad_norm`` (see ``ClipRoute``)."""
@@ -244,7 +244,7 @@ class ClipRoute:
     the clipped gradients, or clip twice, and neither exists before the single update.
     """
 
-    def __init__(self, opt: _ShardedOptimizer):
+    def __init__(self, opt: ShardedOptimizer):
         self.opt = opt
         self.device = opt.reduced_parameters()[0].device  # the updates' (and their norm's)
         self.base = opt.max_grad_norm  # the optimizer's own, restored after each step

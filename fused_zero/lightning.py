@@ -34,7 +34,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 
-from .optimizer import _ShardedOptimizer
+from .optimizer import ShardedOptimizer
 from .options import OPTIONS, check_whole_step, normalize_options
 
 _MAPPED = ("stochastic_rounding", "backend", "_backend")  # normalize_options maps (or keeps) them
@@ -76,7 +76,7 @@ class FusedZeroStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        ours = [o for o in self.optimizers if isinstance(o, _ShardedOptimizer)]
+        ours = [o for o in self.optimizers if isinstance(o, ShardedOptimizer)]
         if len(self.optimizers) != 1 or not ours:
             kinds = [type(o).__name__ for o in self.optimizers]
             raise TypeError("FusedZeroStrategy needs configure_optimizers to return exactly one fused_zero "
@@ -104,7 +104,7 @@ class FusedZeroStrategy(DDPStrategy):
             opt.attach(self.model, **options)
         self._wrap_clipping(opt)
 
-    def _map_gradient_clipping(self, trainer: pl.Trainer, opt: _ShardedOptimizer) -> float | None:
+    def _map_gradient_clipping(self, trainer: pl.Trainer, opt: ShardedOptimizer) -> float | None:
         """``Trainer(gradient_clip_val=...)`` as the optimizer's max_grad_norm, or a refusal saying why."""
         value = trainer.gradient_clip_val
         if value is None or value <= 0:
@@ -119,7 +119,7 @@ class FusedZeroStrategy(DDPStrategy):
         self._max_grad_norm = float(value)
         return self._max_grad_norm
 
-    def _loss_scaler(self, opt: _ShardedOptimizer):
+    def _loss_scaler(self, opt: ShardedOptimizer):
         """Lightning's GradScaler (``precision="16-mixed"``), which the optimizer must know from the
         backward on (``grad_scaler=``); None without one. Refused where the mode cannot take it, or
         where the optimizer was given a scaler Lightning does not step through."""
@@ -135,12 +135,12 @@ class FusedZeroStrategy(DDPStrategy):
         check_whole_step("precision='16-mixed' (a GradScaler; 'bf16-mixed' needs none)", "scaler", self._overlap(opt))
         return scaler
 
-    def _overlap(self, opt: _ShardedOptimizer) -> str:
+    def _overlap(self, opt: ShardedOptimizer) -> str:
         """The overlap mode given (to the strategy or the optimizer); "auto" resolves at attach from the
         clip and the scaler mapped here."""
         return self._sharding.get("overlap", opt.sharding_options.get("overlap", "auto"))
 
-    def _wrap_clipping(self, opt: _ShardedOptimizer) -> None:
+    def _wrap_clipping(self, opt: ShardedOptimizer) -> None:
         """Lightning clips ``param.grad`` between the backward and ``step()``; the optimizer clips the
         reduced gradients itself (``max_grad_norm``), so Lightning's clipping of our optimizer is skipped,
         and a request the optimizer would not honour (another value, by value) raises."""

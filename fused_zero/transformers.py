@@ -37,7 +37,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .accelerate import attach as attach_to_accelerator
-from .optimizer import _ShardedOptimizer
+from .optimizer import ShardedOptimizer
 from .options import check_whole_step, resolve_overlap
 
 
@@ -75,12 +75,12 @@ def _optimizer_options(trainer) -> dict | None:
     optimizer built in ``train()`` can tell (a Trainer subclass's own ``create_optimizer``)."""
     if trainer.optimizer is not None:
         opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        if not isinstance(opt, _ShardedOptimizer):
+        if not isinstance(opt, ShardedOptimizer):
             raise TypeError(_not_ours(type(opt)))
         return opt.sharding_options
     if trainer.optimizer_cls_and_kwargs is not None:
         cls, kwargs = trainer.optimizer_cls_and_kwargs
-        if not (isinstance(cls, type) and issubclass(cls, _ShardedOptimizer)):
+        if not (isinstance(cls, type) and issubclass(cls, ShardedOptimizer)):
             raise TypeError(_not_ours(cls))
         return dict(kwargs)
     if type(trainer).create_optimizer is _trainer_create_optimizer(trainer):
@@ -134,7 +134,7 @@ def _attach_prepared(accelerator, trainer, prepared: AcceleratedOptimizer, items
     opt = prepared.optimizer
     while isinstance(opt, AcceleratedOptimizer):
         opt = opt.optimizer
-    if not isinstance(opt, _ShardedOptimizer):
+    if not isinstance(opt, ShardedOptimizer):
         raise TypeError(_not_ours(type(opt)))
     if opt.attached:  # a later train() call: prepared again, attached once
         return

@@ -739,11 +739,14 @@ FRAMEWORK_PRIVATES = {
 
 def private_attributes(tree: ast.AST) -> set[str]:
     """The private attributes (one leading underscore) a module reads or writes of anything but ``self``,
-    by dot or by name (``getattr(x, "_name")``), but for FRAMEWORK_PRIVATES and fused_zero's marks."""
+    by dot or by name (``getattr(x, "_name")``), and the private names it imports from fused_zero, but
+    for FRAMEWORK_PRIVATES and fused_zero's marks."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
             found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fused_zero")):
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                 node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1 and \
                 isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
@@ -761,7 +764,8 @@ def test_the_integrations_call_public_methods_only(name):
 
 
 def test_a_private_read_is_named():
-    source = ("def f(opt, accelerator, optimizer):\n"
+    source = ("from .optimizer import _Hidden, ShardedOptimizer\n"
+              "def f(opt, accelerator, optimizer):\n"
               "    accelerator._optimizers, self._mine, opt.__class__, opt._fused_zero_mark\n"
               "    return opt._engine.ddp, getattr(optimizer, '_optimizer', optimizer)._written(0)\n")
-    assert private_attributes(ast.parse(source)) == {"_engine", "_written"}
+    assert private_attributes(ast.parse(source)) == {"_engine", "_written", "_Hidden"}

@@ -23,7 +23,7 @@ import fused_zero
 import fused_zero.optimizer
 from fused_zero.algorithms import interface, registry
 from fused_zero.optimizer import twins
-from fused_zero.optimizer.base import _ShardedOptimizer
+from fused_zero.optimizer.base import ShardedOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fused_zero"
@@ -159,13 +159,13 @@ def name_differences(public: list[str], extra: tuple[str, ...] = ()) -> list[str
 
 def test_the_public_names_are_the_registrys():
     assert name_differences(fused_zero.__all__, ("__version__",)) == []
-    assert name_differences(fused_zero.optimizer.__all__, ("NO_TWIN", "OPTIMIZERS", "TWINS", "_ShardedOptimizer")) \
+    assert name_differences(fused_zero.optimizer.__all__, ("NO_TWIN", "OPTIMIZERS", "TWINS", "ShardedOptimizer")) \
         == []
     generic = [d.name for d in registry.DECLARATIONS if d.generic]
     assert [n for n in twins.__all__ if n not in ("CLASSES", "NO_TWIN", "TWINS", "optimizer_table")] == generic
     for d in registry.DECLARATIONS:
         cls = getattr(fused_zero, d.name)
-        assert cls is fused_zero.optimizer.OPTIMIZERS[d.name] and issubclass(cls, _ShardedOptimizer), d.name
+        assert cls is fused_zero.optimizer.OPTIMIZERS[d.name] and issubclass(cls, ShardedOptimizer), d.name
         assert cls.__name__ == d.name and d.torch_class.__name__ == d.name, d.name
     rows = [line.split("`")[1] for line in twins.optimizer_table().splitlines()[2:] if line.startswith("| `")]
     assert rows == NAMES

@@ -20,7 +20,7 @@ import torch
 
 from ..algorithms import adam, muon, registry, sgd
 from . import twins
-from .base import _ShardedOptimizer
+from .base import ShardedOptimizer
 from .twins import NO_TWIN, TWINS
 
 # torch.optim keeps these in every param group; keeping them too makes state dicts interchangeable
@@ -34,7 +34,7 @@ def _torch_checked(cls: type, stand_in: tuple[int, ...] = (), **kwargs) -> dict:
     return dict(cls([torch.zeros(stand_in, requires_grad=True)], **kwargs).defaults)
 
 
-class AdamW(_ShardedOptimizer):
+class AdamW(ShardedOptimizer):
     """torch.optim.AdamW, sharded across DDP ranks and run inside the backward."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
@@ -50,7 +50,7 @@ class AdamW(_ShardedOptimizer):
                     capturable=capturable, differentiable=differentiable)
 
 
-class Adam(_ShardedOptimizer):
+class Adam(ShardedOptimizer):
     """torch.optim.Adam (L2 weight decay, or decoupled with ``decoupled_weight_decay=True``)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
@@ -68,7 +68,7 @@ class Adam(_ShardedOptimizer):
                     capturable=capturable, differentiable=differentiable)
 
 
-class SGD(_ShardedOptimizer):
+class SGD(ShardedOptimizer):
     """torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize)."""
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
@@ -82,7 +82,7 @@ class SGD(_ShardedOptimizer):
         self._start(ddp, sgd.SGD.algorithm(self.param_groups, self.defaults), options, differentiable=differentiable)
 
 
-class Muon(_ShardedOptimizer):
+class Muon(ShardedOptimizer):
     """torch.optim.Muon over 2-D parameters (the hidden matrices; give the embeddings, head, norms and
     biases to an AdamW over the same DDP module). Each matrix is orthogonalized once per step, on the
     rank of its shard group that owns it (pipeline/updating/whole_matrix.py); the momentum stays sharded."""
@@ -102,10 +102,10 @@ class Muon(_ShardedOptimizer):
 
 _WRITTEN = {cls.__name__: cls for cls in (AdamW, Adam, SGD, Muon)}
 
-OPTIMIZERS: dict[str, type[_ShardedOptimizer]] = {
+OPTIMIZERS: dict[str, type[ShardedOptimizer]] = {
     d.name: twins.CLASSES[d.name] if d.generic else _WRITTEN[d.name] for d in registry.DECLARATIONS}
 """Every fused_zero optimizer class, by name, in the registry's order (algorithms/registry.py)."""
 
 globals().update(OPTIMIZERS)
 
-__all__ = [*OPTIMIZERS, "NO_TWIN", "OPTIMIZERS", "TWINS", "_ShardedOptimizer"]
+__all__ = [*OPTIMIZERS, "NO_TWIN", "OPTIMIZERS", "TWINS", "ShardedOptimizer"]

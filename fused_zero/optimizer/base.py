@@ -58,7 +58,7 @@ class _ShardedState(Mapping):
     __delitem__ = __setitem__
 
 
-class _ShardedOptimizer(FrameworkMethods, torch.optim.Optimizer):
+class ShardedOptimizer(FrameworkMethods, torch.optim.Optimizer):
     """Shared plumbing: validates torch-only flags, joins the DDP module's engine when attached, forwards
     step().
 

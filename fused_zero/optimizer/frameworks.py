@@ -13,7 +13,7 @@ from . import protocol
 
 
 class FrameworkMethods:
-    """Mixed into every fused_zero optimizer (base.py ``_ShardedOptimizer``)."""
+    """Mixed into every fused_zero optimizer (base.py ``ShardedOptimizer``)."""
 
     @property
     def sharding_options(self) -> dict:

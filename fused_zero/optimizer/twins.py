@@ -21,7 +21,7 @@ import torch
 
 from ..algorithms import registry
 from ..algorithms.interface import Declaration
-from .base import _ShardedOptimizer
+from .base import ShardedOptimizer
 
 NO_TWIN = {
     "LBFGS": "its step() re-evaluates the whole model through a closure several times, with a history of "
@@ -41,7 +41,7 @@ def _torch_defaults(cls: type, args: tuple, kwargs: dict) -> dict:
     return dict(cls([stand_in], *args, **kwargs).defaults)
 
 
-class _Twin(_ShardedOptimizer):
+class _Twin(ShardedOptimizer):
     _declaration: Declaration
 
     def __init__(self, params, *args, ddp=None, **kwargs):

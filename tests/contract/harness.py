@@ -97,7 +97,7 @@ def twin(rank: int, world: int, loop, make, steps: int = 6, ddp_kw: dict | None 
         _ranks_agree(model, step, group)
     if state:
         for i, (o, r) in enumerate(zip(ours.opts, ref.opts)):
-            if isinstance(o, fused_zero.optimizer._ShardedOptimizer):
+            if isinstance(o, fused_zero.optimizer.ShardedOptimizer):
                 compare_state(o.state_dict(), r.state_dict(), f"rank {rank} optimizer {i}", exact(group))
         dist.barrier(group)  # every rank served before any lets its optimizers go (checkpointing.md)
     for o in ours.opts:
