@@ -114,8 +114,8 @@ class AdamFamily(FusedKernel):
                   maximize=self.flags["maximize"], grad_scale=a.grad_scale, found_inf=a.found_inf,
                   clip_coef=a.clip_coef)
 
-    def _row(self, args, c, p, moments, n, go) -> None:
-        torch_ops.adam_row(args, c, p, moments, n, go, self.flags["maximize"], self.flags["amsgrad"])
+    def _row(self, args, coefs, p, moments, n, go) -> None:
+        torch_ops.adam_row(args, coefs, p, moments, n, go, self.flags["maximize"], self.flags["amsgrad"])
 
 
 _STATE = "exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)"

@@ -25,12 +25,12 @@ def apply_on_host(algo, rows, coefs, args) -> None:
     master = args.state.get("master")
     calls: dict[int, _Call] = {}
     for so, n, po, go, pid in _runs(rows):
-        c = table[pid]
-        if c[0] == 0.0:
+        coef = table[pid]
+        if coef[0] == 0.0:
             continue
         call = _call(algo, calls, args, pid)
         hp = call.group
-        first = c[2] == 1.0
+        first = coef[2] == 1.0
         p = working_weights(master, so, args.param, po, n)
         moments = _Moments(args, so, n, 0, 0)
         states = {}
@@ -41,8 +41,8 @@ def apply_on_host(algo, rows, coefs, args) -> None:
                 moments.put(name, moments.get(name).fill_(algo.fresh(name, hp)))
             states[name] = moments.get(name)
         scalars = {name: algo.scalar(pid, name, hp, p.device).clone() for name in algo.spec.scalars}
-        grad = gradients.gradient(args.grad[go:go + n], c[1], inv, args.clip_coef)
-        call.add(p, grad, states, scalars, torch.tensor(c[2] - 1, dtype=torch.float32), (moments, states, po, p))
+        grad = gradients.gradient(args.grad[go:go + n], coef[1], inv, args.clip_coef)
+        call.add(p, grad, states, scalars, torch.tensor(coef[2] - 1, dtype=torch.float32), (moments, states, po, p))
     for call in calls.values():
         call.run(algo.spec.function, algo.keywords(call.group))
         for moments, states, po, p in call.after:
@@ -100,13 +100,13 @@ def finish_on_host(algo, pids, table: torch.Tensor, args) -> None:
     device = table.device
     calls: dict[int, _Call] = {}
     for pid in pids:
-        c = values[pid]
-        if c[0] == 0.0:
+        coef = values[pid]
+        if coef[0] == 0.0:
             continue
         call = _call(algo, calls, args, pid)
         states = {name: _empty(device) for name in algo._names if algo.group_has(name, call.group)}
         scalars = {name: algo.scalar(pid, name, call.group, device) for name in algo.spec.scalars}
-        call.add(_empty(device), _empty(device), states, scalars, torch.tensor(c[2] - 1, dtype=torch.float32),
+        call.add(_empty(device), _empty(device), states, scalars, torch.tensor(coef[2] - 1, dtype=torch.float32),
                  None)
     for call in calls.values():
         call.run(algo.spec.function, algo.keywords(call.group))

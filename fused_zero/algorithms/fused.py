@@ -57,7 +57,7 @@ class FusedKernel(Algorithm):
         """The Triton kernel over ``segments``."""
 
     @abstractmethod
-    def _row(self, args: UpdateArgs, c: list, p: torch.Tensor, moments, n: int, go: int) -> None:
+    def _row(self, args: UpdateArgs, coefs: list, p: torch.Tensor, moments, n: int, go: int) -> None:
         """torch's update of one run of ``n`` elements (torch_ops.apply): ``c`` its row of the table, ``p``
         its fp32 weights, ``moments`` its state, ``go`` its offset in the gradient."""
 

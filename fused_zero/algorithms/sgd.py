@@ -58,8 +58,8 @@ class SGDAlgorithm(FusedKernel):
                  nesterov=self.flags["nesterov"], maximize=self.flags["maximize"], grad_scale=a.grad_scale,
                  found_inf=a.found_inf, clip_coef=a.clip_coef)
 
-    def _row(self, args, c, p, moments, n, go) -> None:
-        torch_ops.sgd_row(args, c, p, moments, n, go, self.flags["maximize"], self.flags["nesterov"])
+    def _row(self, args, coefs, p, moments, n, go) -> None:
+        torch_ops.sgd_row(args, coefs, p, moments, n, go, self.flags["maximize"], self.flags["nesterov"])
 
 
 SGD = Declaration("SGD", torch.optim.SGD, SGDAlgorithm, "momentum_buffer (with momentum)", "bf16, 8bit",

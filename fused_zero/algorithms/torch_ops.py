@@ -125,7 +125,7 @@ def working_weights(master: torch.Tensor | None, so: int, param: torch.Tensor, p
 
 
 def apply(row, rows, coefs: torch.Tensor, args) -> None:
-    """One launch on the torch backend: ``row(args, c, p, moments, n, go)`` (``adam_row``, ``sgd_row``, with
+    """One launch on the torch backend: ``row(args, coefs, p, moments, n, go)`` (``adam_row``, ``sgd_row``, with
     the algorithm's flags) over each active run of ``rows``, its weights rounded back into the parameters."""
     if args.found_inf is not None and float(args.found_inf) != 0.0:
         return
@@ -136,12 +136,12 @@ def apply(row, rows, coefs: torch.Tensor, args) -> None:
         [(*run, 0, 0, 0) for run in merged_runs(rows, table)]
     keys = coefs[:, -1].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF if args.stochastic else None
     for so, n, po, go, pid, elem, first, k in units:
-        c = table[pid]
-        if c[0] == 0.0:  # inactive: no gradient this step
+        coef = table[pid]
+        if coef[0] == 0.0:  # inactive: no gradient this step
             continue
         p = working_weights(master, so, args.param, po, n)
         moments = _Moments(args, so, n, first, k)
-        row(args, c, p, moments, n, go)
+        row(args, coef, p, moments, n, go)
         if args.stochastic:
             args.param[po:po + n].copy_(round_stochastic(
                 p, int(keys[pid]), torch.arange(elem, elem + n, dtype=torch.int64, device=p.device)))
@@ -149,7 +149,7 @@ def apply(row, rows, coefs: torch.Tensor, args) -> None:
             args.param[po:po + n].copy_(p)
 
 
-def adam_row(args, c, p, moments, n, go, maximize, amsgrad):
+def adam_row(args, coefs, p, moments, n, go, maximize, amsgrad):
     """torch.optim's single-tensor Adam/AdamW, op for op, with its temporaries reused: the L2 term
     added in place into a gradient of its own, the denominator computed into that gradient's memory
     once the moments no longer read it, and divided in place (torch's ``v.sqrt() / bc`` writes a
@@ -158,40 +158,40 @@ def adam_row(args, c, p, moments, n, go, maximize, amsgrad):
     to the system at these sizes (mmap, or a trim of the heap's top) and faults in anew at the next
     step: 4.2M elements on one core, about 10 ms here against 13-23 ms for torch's AdamW step.
     ``moments`` reads and writes the moments in their storage format (algorithms/codecs.py)."""
-    g, owned = _grad(args, go, n, c[_ADAM["grad_div"]], maximize)
+    g, owned = _grad(args, go, n, coefs[_ADAM["grad_div"]], maximize)
     m = moments.get("exp_avg")
     v = moments.get("exp_avg_sq")
-    if c[_ADAM["decay_mul"]] != 1.0:
-        p.mul_(c[_ADAM["decay_mul"]])
-    if c[_ADAM["l2"]] != 0.0:
-        g, owned = _add(g, owned, p, c[_ADAM["l2"]])
-    m.lerp_(g, c[_ADAM["lerp_w"]])
-    v.mul_(c[_ADAM["beta2"]]).addcmul_(g, g, value=c[_ADAM["one_minus_beta2"]])
+    if coefs[_ADAM["decay_mul"]] != 1.0:
+        p.mul_(coefs[_ADAM["decay_mul"]])
+    if coefs[_ADAM["l2"]] != 0.0:
+        g, owned = _add(g, owned, p, coefs[_ADAM["l2"]])
+    m.lerp_(g, coefs[_ADAM["lerp_w"]])
+    v.mul_(coefs[_ADAM["beta2"]]).addcmul_(g, g, value=coefs[_ADAM["one_minus_beta2"]])
     if amsgrad:
         vmax = moments.get("max_exp_avg_sq")
         torch.maximum(vmax, v, out=vmax)
         moments.put("max_exp_avg_sq", vmax)
     root = vmax if amsgrad else v
     denom = torch.sqrt(root, out=g) if owned else root.sqrt()  # g is not read after this
-    denom.div_(c[_ADAM["bc2_sqrt"]]).add_(c[_ADAM["eps"]])
-    p.addcdiv_(m, denom, value=c[_ADAM["neg_step_size"]])
+    denom.div_(coefs[_ADAM["bc2_sqrt"]]).add_(coefs[_ADAM["eps"]])
+    p.addcdiv_(m, denom, value=coefs[_ADAM["neg_step_size"]])
     moments.put("exp_avg", m)
     moments.put("exp_avg_sq", v)
 
 
-def sgd_row(args, c, p, moments, n, go, maximize, nesterov):
-    g, owned = _grad(args, go, n, c[_SGD["grad_div"]], maximize)
-    if c[_SGD["weight_decay"]] != 0.0:  # in place into a gradient of its own (see adam_row)
-        g, owned = _add(g, owned, p, c[_SGD["weight_decay"]])
+def sgd_row(args, coefs, p, moments, n, go, maximize, nesterov):
+    g, owned = _grad(args, go, n, coefs[_SGD["grad_div"]], maximize)
+    if coefs[_SGD["weight_decay"]] != 0.0:  # in place into a gradient of its own (see adam_row)
+        g, owned = _add(g, owned, p, coefs[_SGD["weight_decay"]])
     if "momentum_buffer" in args.state:
         buf = moments.get("momentum_buffer")
-        if c[_SGD["first"]] != 0.0:
+        if coefs[_SGD["first"]] != 0.0:
             buf.copy_(g)
         else:
-            buf.mul_(c[_SGD["momentum"]]).add_(g, alpha=c[_SGD["one_minus_dampening"]])
+            buf.mul_(coefs[_SGD["momentum"]]).add_(g, alpha=coefs[_SGD["one_minus_dampening"]])
         moments.put("momentum_buffer", buf)
-        g = _add(g, owned, buf, c[_SGD["momentum"]])[0] if nesterov else buf
-    p.add_(g, alpha=c[_SGD["neg_lr"]])
+        g = _add(g, owned, buf, coefs[_SGD["momentum"]])[0] if nesterov else buf
+    p.add_(g, alpha=coefs[_SGD["neg_lr"]])
 
 
 def grad_sumsq(rows, coefs: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None):

@@ -141,21 +141,21 @@ class StateDictBuilder:
 
     def _entry(self, i: int | None, shard) -> dict | None:
         """The dict's entry of the optimizer's parameter ``i`` (None: another optimizer's)."""
-        e = self.view
-        if i is None or not has_state(e, i):
+        view = self.view
+        if i is None or not has_state(view, i):
             return None
-        p = e.table.params[i]
+        p = view.table.params[i]
         entry = self.state.setdefault(self._index[id(p)], {})
-        if e.algo.keeps_step:
-            entry["step"] = torch.tensor(float(e.counts()[i]), dtype=torch.float32, device="cpu")
-        fresh = e.counts()[i] == 0  # state torch makes before the first step (Adagrad's): its first values
+        if view.algo.keeps_step:
+            entry["step"] = torch.tensor(float(view.counts()[i]), dtype=torch.float32, device="cpu")
+        fresh = view.counts()[i] == 0  # state torch makes before the first step (Adagrad's): its first values
         flats = {}
-        for name in state_names_of(e, shard, i):  # bucket order is the parameter's memory order (strides.py)
+        for name in state_names_of(view, shard, i):  # bucket order is the parameter's memory order (strides.py)
             flats[name] = torch.empty(p.numel(), dtype=torch.float32, device="cpu")  # the dict is on the host
             entry[MASTER_KEY if name == "master" else name] = strided_view(flats[name], p)
             if fresh and name != "master":
-                self._fresh.append((flats[name], e.algo.fresh(name, e.opt.param_groups[e.table.group_of[i]])))
-        entry.update(kept_entries(e, i))
+                self._fresh.append((flats[name], view.algo.fresh(name, view.opt.param_groups[view.table.group_of[i]])))
+        entry.update(kept_entries(view, i))
         return flats
 
     def add(self, shard, name: str, lo: int, values: torch.Tensor) -> None:

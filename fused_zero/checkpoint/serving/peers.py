@@ -96,30 +96,30 @@ class CheckpointPeers:
 
     def published(self, by_step: bool = True) -> None:
         """A step (``by_step``) or a load completed on this rank: its state may be served as this version."""
-        e = self.view
+        view = self.view
         if self.server is None:
             return
         # step() has joined the side stream: the current stream is after it
-        events = (e.side.api.current().record_event(),) if e.side.stream is not None else ()
-        self.versions.publish(e, events, by_step)
+        events = (view.side.api.current().record_event(),) if view.side.stream is not None else ()
+        self.versions.publish(view, events, by_step)
 
     def state_dict(self, to: int | None, make_builder):
         """``make_builder()``: a canonical.StateDictBuilder of this engine, made only where the dict is
         built. Returns the dict, or None on ranks other than ``to``."""
-        e = self.view
-        if e.iteration.invoked and e.table.member not in e.iteration.stepped:
+        view = self.view
+        if view.iteration.invoked and view.table.member not in view.iteration.stepped:
             raise CheckpointSyncError("optimizer.state_dict() was called between a backward and optimizer.step(): "
                                       "the state is served as it is after a step; " + USAGE)
         if self.server is None:
             return make_builder().local().result()
-        topo = e.ranks.topology
-        if to is not None and to != e.ranks.rank:
+        topo = view.ranks.topology
+        if to is not None and to != view.ranks.rank:
             if topo.position(to)[0] != topo.replica:
                 return None  # rank ``to`` builds its dict from its own shard group (pipeline/buckets/topology.py)
             self._await_served(to)
             return None
         k = next(self.server.requests)
-        others = [r for r in topo.shards[topo.replica] if r != e.ranks.rank]  # the ranks holding the other slices
+        others = [r for r in topo.shards[topo.replica] if r != view.ranks.rank]  # the ranks holding the other slices
         try:
             self._post(others, {"kind": "announce", "number": self.number, "version": self.version, "to": to,
                                 "k": k})
@@ -146,7 +146,7 @@ class CheckpointPeers:
 
     def _fetch_from(self, src: int, k: int, builder) -> None:
         """Ask rank ``src`` for its slices and add them to ``builder``, ``WINDOW`` messages in flight."""
-        ch, e = self.server.channel, self.view
+        ch, view = self.server.channel, self.view
         self._post([src], {"kind": "serve", "number": self.number, "version": self.version, "k": k,
                            "fingerprint": builder.fingerprint})
         # no gloo message before src has taken the request (and so serves it before it exits): a
@@ -157,7 +157,7 @@ class CheckpointPeers:
             server.acks.discard((src, k))
         if taken is None:
             raise CheckpointSyncError(
-                f"optimizer.state_dict() on rank {e.ranks.rank}: rank {src} did not take the request within "
+                f"optimizer.state_dict() on rank {view.ranks.rank}: rank {src} did not take the request within "
                 f"{channel.JOIN_DEADLINE_S:.0f} s (its process is gone or stuck). Keep every rank alive until "
                 "optimizer.state_dict() has returned (any collective after it, e.g. a dist.barrier() before "
                 "exiting): the other ranks hold their shards of the state")
@@ -165,7 +165,7 @@ class CheckpointPeers:
         try:
             why = ch.recv_text(src, request_tag(k, 0), deadline)
             if why:
-                raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {e.ranks.rank}: {why}")
+                raise CheckpointSyncError(f"rank {src} refused to serve its shards to rank {view.ranks.rank}: {why}")
             pending = collections.deque()
             for i, (shard, name) in enumerate(builder.slices, start=1):
                 buf = torch.empty(shard.layout.shard, dtype=torch.float32, device="cpu")  # gloo's, host memory
@@ -174,9 +174,9 @@ class CheckpointPeers:
                     while pending:
                         work, buf, shard, name = pending.popleft()
                         ch.wait(work, buf, src, "receiving optimizer state from", deadline)
-                        builder.add(shard, name, e.ranks.topology.position(src)[1] * shard.layout.shard, buf)
+                        builder.add(shard, name, view.ranks.topology.position(src)[1] * shard.layout.shard, buf)
         except ChannelError as err:
-            raise CheckpointSyncError(f"optimizer.state_dict() on rank {e.ranks.rank}: {err}. Keep every rank alive "
+            raise CheckpointSyncError(f"optimizer.state_dict() on rank {view.ranks.rank}: {err}. Keep every rank alive "
                                       "until optimizer.state_dict() has returned (any collective after it, e.g. a "
                                       "dist.barrier() before exiting): the other ranks hold their shards of the "
                                       "state") from None

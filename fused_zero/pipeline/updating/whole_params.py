@@ -81,14 +81,14 @@ class WholeParams:
         calls: dict[int, tuple] = {}
         for local in mine:
             pid = lay.pids[local]
-            c = table[pid]
-            if skip or c[0] == 0.0:
+            coef = table[pid]
+            if skip or coef[0] == 0.0:
                 continue
             p, off, n = self.params[pid], lay.offsets[local], lay.numels[local]
-            grad = gradients.gradient(grads[off:off + n], c[1], inv, clip)
+            grad = gradients.gradient(grads[off:off + n], coef[1], inv, clip)
             weight = working_weights(masters, off, shard.param_buffer, off, n)  # both bucket-indexed
             call = calls.setdefault(int(self.group_of[pid]), ([], [], [], [], []))
-            for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, c[2] - 1,
+            for out, value in zip(call, (strided_view(weight, p), strided_view(grad, p), pid, coef[2] - 1,
                                          (weight, off, n))):
                 out.append(value)
         for g, (params, grads_, pids, steps, where) in calls.items():
