@@ -102,13 +102,12 @@ def kernel_case() -> dict:
 def engine_case(steps=20) -> dict:
     """AdamW over three bf16 OddNets with fp32 masters (single, foreach, fused), the engine case's
     training: each one's largest atol needed against single at rtol 2^-7, over every parameter and step."""
-    from gpu_cases import _twin_models
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
 
     dev = device()
     models, masters, opts = {}, {}, {}
     for k, kw in IMPLS.items():
-        m, _ = _twin_models(dev, torch.bfloat16)
+        m, _ = twin_models(dev, torch.bfloat16)
         models[k] = m
         ps = [p for p in m.parameters() if p.requires_grad]
         masters[k] = [p.detach().float().requires_grad_(True) for p in ps]

@@ -58,6 +58,19 @@ class OddNet(nn.Module):
         return self.head(h)
 
 
+def twin_models(device="cpu", dtype=torch.float32, freeze_never=True) -> tuple[OddNet, OddNet]:
+    """Two OddNets with the same weights (seed 1234) on ``device``: ours and torch.optim's reference;
+    ``freeze_never``: the layer no step uses frozen, as DDP without find_unused_parameters needs."""
+    torch.manual_seed(1234)
+    model, ref = OddNet(), OddNet()
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        if freeze_never:
+            m.never.requires_grad_(False)
+        m.to(device=device, dtype=dtype)
+    return model, ref
+
+
 @dataclass(frozen=True)
 class Case:
     opt: str = "AdamW"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from scenarios import DEFAULT_HPARAMS, VOCAB, OddNet, batch
+from scenarios import DEFAULT_HPARAMS, VOCAB, batch, twin_models
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -65,11 +65,7 @@ def optimizer(kind: str, params, fused: bool, **options):
 
 
 def models(ddp_kw: dict):
-    torch.manual_seed(1234)
-    model, ref = OddNet(), OddNet()
-    ref.load_state_dict(model.state_dict())
-    for m in (model, ref):
-        m.never.requires_grad_(False)
+    model, ref = twin_models()
     return (model, DDP(model, **ddp_kw)), (ref, DDP(ref, **ddp_kw))
 
 

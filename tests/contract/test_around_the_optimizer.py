@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_ranks
 from harness import Run, optimizer, ours_alone, refused, same, twin
-from scenarios import VOCAB, OddNet, _compare_low, batch
+from scenarios import VOCAB, _compare_low, batch, twin_models
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -143,11 +143,7 @@ def _written(rank, world, overlap, reduce, dtype, how, when):
     """Train 6 steps, writing the weights (``how``) before the forward of step 3 (``when="before"``) or
     between its backward and step() (``"after"``); ours against DDP + torch.optim on fp32 masters started
     from the written values. Returns each step's worst difference in the parameters' own ulps."""
-    torch.manual_seed(1234)
-    model, ref = OddNet().to(dtype), OddNet().to(dtype)
-    ref.load_state_dict(model.state_dict())
-    for m in (model, ref):
-        m.never.requires_grad_(False)
+    model, ref = twin_models(dtype=dtype)
     ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001) for m in (model, ref))
     opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap,
                            grad_reduce=reduce)

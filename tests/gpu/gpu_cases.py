@@ -211,31 +211,16 @@ def case_kernels():
 # ---------------------------------------------------------------------------------------- engine
 
 
-def _twin_models(device, dtype=torch.float32, freeze_never=True):
-    """Two OddNets with the same weights (seed 1234) on ``device``: ours and torch.optim's reference;
-    ``freeze_never``: the layer no step uses frozen, as DDP without find_unused_parameters needs."""
-    from scenarios import OddNet
-
-    torch.manual_seed(1234)
-    model, ref = OddNet(), OddNet()
-    ref.load_state_dict(model.state_dict())
-    for m in (model, ref):
-        if freeze_never:
-            m.never.requires_grad_(False)
-        m.to(device=device, dtype=dtype)
-    return model, ref
-
-
 def _engine_parity(rank, world, overlap, param_sync, dtype, device, steps=20, bucket_cap_mb=0.0001,
                    grad_reduce="reduce_scatter", graph="plain", zero_to_none=True):
     """fused_zero AdamW under DDP against DDP + torch.optim.AdamW (on fp32 masters for bf16), on
     ``device``; every step compares every parameter (param_sync="forward": after synchronize())."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    model, ref = _twin_models(device, dtype, freeze_never=graph == "plain")
+    model, ref = twin_models(device, dtype, freeze_never=graph == "plain")
     bf16_atol = measured_tolerance("engine_bf16") if world == 1 and dtype != torch.float32 else ENGINE_BF16_ATOL
     ids = [device.index] if device.index is not None else None
     kw = dict(bucket_cap_mb=bucket_cap_mb, device_ids=ids, find_unused_parameters=graph == "find_unused")
@@ -303,14 +288,14 @@ def _muon(rank, world, steps=8):
     side stream, the AdamW part in the Triton kernels. The Muon part runs torch's own ops on the owner,
     so what differs is the kernels' AdamW (a few fp32 ulps) as it reaches the next steps' gradients;
     a skipped or doubled Muon step moves its matrices by lr x |O| ~ 5e-3."""
-    from scenarios import VOCAB, Case, batch, muon_split
+    from scenarios import VOCAB, Case, batch, muon_split, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
     device = torch.device("cuda", 0)
     for overlap in ("bucket", "backward", "step"):
-        model, ref = _twin_models(device)
+        model, ref = twin_models(device)
         ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
         case = Case(opt="Muon")
         opts = [getattr(fused_zero, kind)(groups, ddp=ddp, overlap=overlap) for kind, groups in muon_split(model, case)]
@@ -609,7 +594,7 @@ def _rank0_checkpoint(rank, world):
     queued behind a ``torch.cuda._sleep`` on its side stream: the dict must be torch.optim's at that
     step, so each server's copy must wait for its published event (issue 28's defect 6 reads the region
     before the updates ran, whatever the timing). Rank 1 goes straight on into its next iteration."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
@@ -619,7 +604,7 @@ def _rank0_checkpoint(rank, world):
     if reason:
         return reason
     for overlap in ("bucket", "backward", "step"):
-        model, ref = _twin_models(dev)
+        model, ref = twin_models(dev)
         ddp, ref_ddp = DDP(model, bucket_cap_mb=0.0001), DDP(ref, bucket_cap_mb=0.0001)
         opt = fused_zero.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, ddp=ddp, overlap=overlap)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -661,14 +646,14 @@ def _capture(rank, world, steps=14):
     on the same weights and batches, with an lr changed every step by a scheduler and clipping: every
     parameter bit for bit after every step (the graph runs the same kernels on the same values), and
     the graph captured and replayed. Then against torch.optim.AdamW within the engine's tolerance."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
     device = torch.device("cuda", 0)
-    model, twin = _twin_models(device)
-    _, ref = _twin_models(device)
+    model, twin = twin_models(device)
+    _, ref = twin_models(device)
     ddps = [DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, twin)]
     opts = [fused_zero.AdamW(d.parameters(), lr=1e-2, weight_decay=0.1, ddp=d, overlap="step", max_grad_norm=0.5,
                              capturable=c) for d, c in zip(ddps, (True, False))]
@@ -724,13 +709,13 @@ def _muon_without_host_waits(device, rank, found, steps=8):
     backward and both steps under torch's sync debug mode "error" after DDP's rebuild, the event,
     stream and device waits counted from the first iteration: none (its skip and active flags stay on
     the device); every parameter within the Muon tolerance of torch.optim.Muon + AdamW."""
-    from scenarios import VOCAB, Case, batch, muon_split
+    from scenarios import VOCAB, Case, batch, muon_split, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
     for overlap in ("bucket", "backward", "step"):
-        model, ref = _twin_models(device)
+        model, ref = twin_models(device)
         ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device)) for m in (model, ref))
         opts = [getattr(fused_zero, kind)(groups, ddp=ddp, overlap=overlap)
                 for kind, groups in reversed(muon_split(model, Case(opt="Muon")))]  # AdamW first: member 0
@@ -770,12 +755,12 @@ def _scaler_two_optimizers(device, rank, overlap, reduce, recipe, steps=6):
     (``unscale_`` of those in ``recipe``, a clip of the first's unscaled gradients when it is unscaled,
     ``scaler.step`` of each, one ``update``); an inf in l1.weight's gradient at step 3: the first skips,
     the second steps, the scale halves, as with torch.optim. Returns each optimizer's skipped steps."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    model, ref = _twin_models(device)
+    model, ref = twin_models(device)
     ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device), gradient_as_bucket_view=True)
                     for m in (model, ref))
     scalers = [torch.amp.GradScaler(device.type, init_scale=2.0 ** 10) for _ in range(2)]
@@ -826,12 +811,12 @@ def _captured_onecycle(device, rank, steps=30):
     ``cycle_momentum`` (beta1 changes every step): each step replayed from its own graph, every parameter
     bit for bit with the same pair stepping eagerly, and the pinned staging memory the same at the last
     step as at step 10. Returns (captures, replays, pinned bytes at step 10, at the end)."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    model, twin = _twin_models(device)
+    model, twin = twin_models(device)
     pairs = []
     for m, capturable in ((model, True), (twin, False)):
         d = DDP(m, bucket_cap_mb=0.0001, device_ids=_ids(device))
@@ -923,12 +908,12 @@ def _torch_optimizers(rank, world, steps=6):
 
 
 def _twin_run(device, rank, name, overlap, hp, oracle, steps, what):
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    model, ref = _twin_models(device)
+    model, ref = twin_models(device)
     ddp, ref_ddp = (DDP(m, bucket_cap_mb=0.0001, device_ids=[0]) for m in (model, ref))
     opt = getattr(fused_zero, name)(ddp.parameters(), ddp=ddp, overlap=overlap, **hp)
     ref_opt = getattr(torch.optim, name)(ref_ddp.parameters(), **{**hp, **oracle})
@@ -954,12 +939,12 @@ def _twin_run(device, rank, name, overlap, hp, oracle, steps, what):
 def _twin_beside_captured(device, rank, steps):
     """RMSprop (eager) over the hidden matrices beside an AdamW with ``capturable=True`` over the rest, in
     overlap="step": AdamW's step captured and replayed, RMSprop's eager, against the same pair eager."""
-    from scenarios import VOCAB, batch
+    from scenarios import VOCAB, batch, twin_models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fused_zero
 
-    model, twin = _twin_models(device)
+    model, twin = twin_models(device)
     pairs = []
     for m, capturable in ((model, True), (twin, False)):
         d = DDP(m, bucket_cap_mb=0.0001, device_ids=[0])

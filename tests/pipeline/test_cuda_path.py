@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from scenarios import VOCAB, Case, OddNet, batch, run_case
+from scenarios import VOCAB, Case, batch, run_case, twin_models
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -32,12 +32,7 @@ OVERLAPS = ("bucket", "backward", "step")
 
 
 def _models(as_view: bool, find_unused: bool = False):
-    torch.manual_seed(1234)
-    model, ref = OddNet(), OddNet()
-    ref.load_state_dict(model.state_dict())
-    if not find_unused:
-        for m in (model, ref):
-            m.never.requires_grad_(False)
+    model, ref = twin_models(freeze_never=not find_unused)
     kw = dict(bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
     return model, DDP(model, **kw), ref, DDP(ref, **kw)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from scenarios import DEFAULT_HPARAMS, VOCAB, OddNet, batch
+from scenarios import DEFAULT_HPARAMS, VOCAB, batch, twin_models
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fused_zero
@@ -81,12 +81,7 @@ def formats_of(case: FormatCase, n: int) -> list[str]:
 
 
 def build(case: FormatCase):
-    torch.manual_seed(1234)
-    model, ref = OddNet(), OddNet()
-    ref.load_state_dict(model.state_dict())
-    for m in (model, ref):
-        m.never.requires_grad_(False)
-        m.to(case.device)
+    model, ref = twin_models(case.device)
     if case.stochastic:
         model.bfloat16()
         ref.bfloat16()
